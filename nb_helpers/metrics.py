@@ -1,0 +1,147 @@
+"""Per-step metrics: one JSON line per optimizer step, flushed as it is written, so a crash loses nothing.
+
+Memory is reported two ways, because they answer different questions:
+  torch_*_gib   PyTorch's caching allocator (what set_per_process_memory_fraction caps)
+  device_used_gib  NVML's device "used" minus the baseline before this process touched CUDA: what nvidia-smi
+                   shows, including the CUDA context and bitsandbytes' paged buffers, i.e. what must fit the card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+_NVML_BASELINE: float | None = None
+
+
+def _nvml_used_bytes(index: int) -> float | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except Exception:
+        return None
+
+
+def record_nvml_baseline(index: int = 0) -> None:
+    """Call before the first CUDA allocation (nb_helpers.memory does) so device_used excludes other processes."""
+    global _NVML_BASELINE
+    if _NVML_BASELINE is None:
+        _NVML_BASELINE = _nvml_used_bytes(index) or 0.0
+
+
+def memory_snapshot() -> dict:
+    import psutil
+    import torch
+
+    snap = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        used = _nvml_used_bytes(index)
+        snap.update(
+            torch_allocated_gib=torch.cuda.memory_allocated() / 2**30,
+            torch_reserved_gib=torch.cuda.memory_reserved() / 2**30,
+            torch_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
+            device_used_gib=None if used is None else (used - (_NVML_BASELINE or 0.0)) / 2**30,
+        )
+    else:
+        snap.update(torch_allocated_gib=None, torch_reserved_gib=None, torch_peak_gib=None, device_used_gib=None)
+    return snap
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class MetricsCallback(TrainerCallback):
+    """Writes metrics.jsonl: step, epoch, loss, lr, grad_norm, tokens, step_s, tokens_per_s, memory."""
+
+    def __init__(self, path: str | Path, listeners=()):
+        self.path = Path(path)
+        self.listeners = list(listeners)  # called with each record (live plots)
+        self._step_start = None
+        self._pending: dict = {}
+        self._tokens_before = 0
+        self.records: list[dict] = []
+        self.non_finite_step: int | None = None
+
+    def _write(self, record: dict) -> None:
+        if getattr(self, "_file", None) is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()  # flushed per line: an interrupted run keeps every finished step
+        self.records.append(record)
+        for listener in self.listeners:
+            listener(record)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._tokens_before = state.num_input_tokens_seen or 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        _sync()
+        self._step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        _sync()
+        step_s = time.perf_counter() - self._step_start if self._step_start else None
+        tokens = (state.num_input_tokens_seen or 0) - self._tokens_before
+        self._tokens_before = state.num_input_tokens_seen or 0
+        self._pending = {"step": state.global_step, "epoch": state.epoch, "tokens": int(tokens), "step_s": step_s,
+                         "tokens_per_s": tokens / step_s if step_s and tokens else None, **memory_snapshot()}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "eval_loss" in logs:
+            self._write({"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "eval_loss": logs["eval_loss"]})
+            return
+        if "loss" not in logs or not self._pending or self._pending["step"] != state.global_step:
+            return
+        record = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "loss": logs["loss"],
+                  "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
+                  **{k: v for k, v in self._pending.items() if k not in ("step", "epoch")}}
+        self._write(record)
+        if not all(math.isfinite(v) for v in (record["loss"], record["grad_norm"] or 0.0)):
+            self.non_finite_step = state.global_step
+            control.should_training_stop = True
+
+    def close(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Read metrics.jsonl; a half-written last line (killed mid-write) is skipped, not fatal."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines):
+                raise ValueError(f"{path}:{number}: corrupt metrics line (not the last one) — "
+                                 "the file was edited or two runs wrote to it; start a new run folder")
+    return records
+
+
+def median(values) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2

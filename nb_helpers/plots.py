@@ -1,0 +1,69 @@
+"""Plot functions take data (run name -> metrics records) and return a figure; notebooks display it."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+PANELS = [
+    ("loss", "train loss"),
+    ("device_used_gib", "device memory (GiB, NVML)"),
+    ("step_s", "time / step (s)"),
+    ("eval_loss", "eval loss"),
+]
+
+
+def _series(records: list[dict], key: str):
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = None, figsize=(10, 6)):
+    """Loss, device memory, time/step and eval loss against step, one line per run on shared axes."""
+    fig, axes = plt.subplots(2, 2, figsize=figsize)
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        drawn = False
+        for name, records in runs.items():
+            steps, values = _series(records, key)
+            if key == "device_used_gib" and not values:  # CPU runs: host memory is the honest substitute
+                steps, values = _series(records, "host_rss_gib")
+                title = "host RSS (GiB; no GPU)"
+            if values:
+                ax.plot(steps, values, marker="o" if key == "eval_loss" else None, markersize=3, label=name)
+                drawn = True
+        if key == "device_used_gib" and vram_limit_gib and drawn and title.startswith("device"):
+            ax.axhline(vram_limit_gib, color="red", linestyle="--", linewidth=1, label=f"{vram_limit_gib} GiB")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step", fontsize=9)
+        ax.grid(alpha=0.3)
+        if not drawn:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if len(runs) > 1 and handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
+        fig.subplots_adjust(bottom=0.18)
+    fig.tight_layout(rect=(0, 0.08 if len(runs) > 1 else 0, 1, 1))
+    return fig
+
+
+class LivePlot:
+    """Redraws the training panels in place every `every` steps while a notebook cell trains."""
+
+    def __init__(self, name: str = "this run", every: int = 1):
+        self.name, self.every, self.records, self._handle = name, every, [], None
+
+    def __call__(self, record: dict) -> None:
+        from IPython.display import display
+
+        self.records.append(record)
+        if "loss" in record and record["step"] % self.every:
+            return
+        fig = plot_training({self.name: self.records}, figsize=(9, 5))
+        last = [r for r in self.records if "loss" in r]
+        if last:
+            r = last[-1]
+            fig.suptitle(f"step {r['step']}  loss {r['loss']:.3f}  {r['step_s']:.2f} s/step", fontsize=10)
+        if self._handle is None:
+            self._handle = display(fig, display_id=True)
+        else:
+            self._handle.update(fig)
+        plt.close(fig)

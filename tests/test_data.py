@@ -1,0 +1,80 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nb_helpers.config import PROJECT_ROOT, RunConfig
+from nb_helpers.data import DataError, load_rows, normalize_row, read_jsonl
+
+
+def write(tmp_path, lines, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_all_accepted_formats_become_prompt_completion():
+    messages = normalize_row({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                           {"role": "assistant", "content": "a"}]})
+    assert messages == {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                        "completion": [{"role": "assistant", "content": "a"}]}
+    pc = normalize_row({"prompt": "q", "completion": "a"})
+    assert pc["prompt"] == [{"role": "user", "content": "q"}] and pc["completion"][0]["content"] == "a"
+    alpaca = normalize_row({"instruction": "Do it", "input": "x", "output": "y"})
+    assert alpaca["prompt"][0]["content"] == "Do it\n\nx"
+    assert normalize_row({"instruction": "Do it", "input": "", "output": "y"})["prompt"][0]["content"] == "Do it"
+    assert normalize_row({"text": "hello"}) == {"text": "hello"}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"question": "q"}, "matches no accepted format"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "at least a user and an assistant"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}, "needs a role"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "empty or non-string"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}, "empty or non-string"),
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}, "no answer to learn"),
+])
+def test_bad_rows_are_explained(row, message):
+    with pytest.raises(DataError, match=message):
+        normalize_row(row, "f.jsonl", 7)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    good = json.dumps({"prompt": "q", "completion": "a"})
+    path = write(tmp_path, [good, good, '{"prompt": "q", "completion": '])
+    with pytest.raises(DataError) as err:
+        read_jsonl(path)
+    assert f"{path}:3: not valid JSON" in str(err.value) and "fix or remove this line" in str(err.value)
+
+
+def test_empty_non_utf8_and_mixed_files(tmp_path):
+    with pytest.raises(DataError, match="no rows"):
+        read_jsonl(write(tmp_path, [""], "empty.jsonl"))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8"):
+        read_jsonl(latin)
+    mixed = write(tmp_path, [json.dumps({"text": "t"}), json.dumps({"prompt": "q", "completion": "a"})], "m.jsonl")
+    with pytest.raises(DataError, match="mixes plain 'text' rows"):
+        read_jsonl(mixed)
+    with pytest.raises(DataError, match="file not found"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_shipped_dataset_is_clean_and_disjoint():
+    cfg = RunConfig()
+    train, held_out = load_rows(cfg.train_file, cfg), load_rows(cfg.eval_file, cfg)
+    assert (len(train), len(held_out)) == (600, 60)
+    train_prompts = {r["prompt"][-1]["content"] for r in train}
+    assert not train_prompts & {r["prompt"][-1]["content"] for r in held_out}
+    answer = json.loads(held_out[0]["completion"][0]["content"])
+    assert list(answer) == ["customer", "item", "quantity", "color", "city", "day"]
+
+
+def test_dataset_script_reproduces_the_committed_files(tmp_path):
+    code = ("import sys, pathlib; sys.path.insert(0, 'data'); import make_dataset; "
+            f"make_dataset.main(pathlib.Path({str(tmp_path)!r}))")
+    subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, capture_output=True)
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (tmp_path / name).read_bytes() == (PROJECT_ROOT / "data" / name).read_bytes(), name

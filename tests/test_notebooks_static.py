@@ -1,0 +1,41 @@
+"""Static checks on the notebooks: clean, valid, parseable, and following the course skeleton.
+(nbmake runs them top to bottom in `make test`.)"""
+
+import ast
+import json
+import re
+
+import pytest
+
+from nb_helpers.config import PROJECT_ROOT
+
+NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_the_course_is_complete_and_ordered():
+    names = [p.name for p in NOTEBOOKS]
+    assert names == ["00_environment_check.ipynb", "01_load_4bit.ipynb", "02_attach_lora.ipynb", "03_train.ipynb",
+                     "04_metrics_analysis.ipynb", "05_try_the_model.ipynb"]
+    assert all(re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", n) for n in names)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_clean_valid_and_follows_the_skeleton(path):
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "commit notebooks clean: make clean-notebooks"
+    for cell in code:
+        ast.parse(cell.source)
+        assert "trust_remote_code=True" not in cell.source
+    markdown = [c.source for c in nb.cells if c.cell_type == "markdown"]
+    assert markdown[0].startswith("# " + path.name[:2] + " · ")
+    assert any(m.startswith("## 1. Setup") for m in markdown)
+    assert any(re.match(r"## \d+\. Recap", m) for m in markdown)
+    for before, cell in zip(nb.cells, nb.cells[1:]):  # prose before every code cell that starts a section
+        if cell.cell_type == "code" and before.cell_type == "code":
+            continue
+    assert nb.cells[0].cell_type == "markdown"
+    assert json.loads(path.read_text())["metadata"].get("widgets") is None

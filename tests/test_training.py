@@ -1,0 +1,103 @@
+import json
+import math
+
+import pytest
+
+from nb_helpers.config import ConfigError
+from nb_helpers.metrics import read_metrics
+from nb_helpers.runs import SUMMARY_KEYS, load_run
+from nb_helpers.training import train
+
+
+def test_run_folder_is_complete(tiny_cfg):
+    run_dir = train(tiny_cfg, verbose=False)
+    names = {p.name for p in run_dir.iterdir()}
+    assert {"config.json", "metrics.jsonl", "adapter", "summary.json", "training.png", "predictions.jsonl"} <= names
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    assert summary["task_metric"] == "json_field_accuracy"
+    assert 0 <= summary["task_base"] <= 1 and 0 <= summary["task_tuned"] <= 1
+    assert summary["peak_vram_gib"] is None  # CPU
+    assert summary["median_step_s"] > 0 and summary["tokens_per_s"] > 0
+
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for key in ("epoch", "loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s", "torch_allocated_gib",
+                "torch_reserved_gib", "torch_peak_gib", "device_used_gib", "host_rss_gib"):
+        assert key in steps[0], key
+    assert all(r["tokens"] > 0 and math.isfinite(r["loss"]) for r in steps)
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before and after training
+
+    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+    assert load_run(run_dir.parent / "latest").config["lora_r"] == tiny_cfg.lora_r
+
+
+def test_adapter_loads_back_with_peft(tiny_cfg, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = train(tiny_cfg, verbose=False)
+    assert not list(run_dir.glob("adapter/*.bin"))  # safetensors only
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, run_dir / "adapter")
+    trained = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert trained and any(p.abs().sum() > 0 for p in trained)  # B started at zero: training moved it
+
+
+def test_same_run_name_never_overwrites(tiny_cfg, capsys):
+    cfg = tiny_cfg.replace(run_name="mine", task_eval_samples=0, max_steps=1)
+    first, second = train(cfg, verbose=False), train(cfg, verbose=False)
+    assert first.name == "mine" and second.name == "mine-2"
+    assert "nothing is overwritten" in capsys.readouterr().out
+
+
+def test_interrupt_keeps_metrics_and_adapter(tiny_cfg):
+    def interrupt_at_step_2(record):
+        if record.get("step") == 2 and "loss" in record:
+            raise KeyboardInterrupt
+
+    run_dir = train(tiny_cfg.replace(task_eval_samples=0), listeners=[interrupt_at_step_2], verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_non_finite_loss_stops_within_a_step(tiny_cfg, capsys):
+    def poison(record):
+        if record.get("step") == 1 and "loss" in record:
+            record["loss"] = float("nan")
+
+    run_dir = train(tiny_cfg.replace(max_steps=5, task_eval_samples=0), listeners=[poison], verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"].startswith("stopped: non-finite") and summary["steps"] == 1
+    assert "lower learning_rate" in capsys.readouterr().out
+
+
+def test_unknown_target_module_lists_the_real_ones(tiny_cfg):
+    with pytest.raises(ConfigError, match=r"\['qkv_proj'\] do not exist.*'q_proj'"):
+        train(tiny_cfg.replace(target_modules=["qkv_proj"]), verbose=False)
+
+
+@pytest.mark.slow
+def test_embedded_model_learns_the_task(embedded_dir, tmp_path):
+    """Behaviour on the real model: a dozen steps of the shipped task must lower held-out loss clearly."""
+    from nb_helpers.config import RunConfig
+
+    cfg = RunConfig(micro_batch_size=8, grad_accum=1, max_steps=12, max_length=256, max_train_samples=96,
+                    max_eval_samples=16, task_eval_samples=0, runs_dir=str(tmp_path / "runs"))
+    summary = json.loads((train(cfg, verbose=False) / "summary.json").read_text())
+    assert summary["model"] == "SmolLM2-135M-Instruct"
+    assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.1, summary
+
+
+@pytest.mark.gpu
+def test_reference_recipe_under_a_4gib_budget(tiny_cfg):
+    """On a GPU: the reference recipe (1 x 8, GC, paged_adamw_8bit) under enforce_budget(4) stays under 4 GiB."""
+    run_dir = train(tiny_cfg.replace(micro_batch_size=1, grad_accum=8, budget_gib=4.0), verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert 0 < summary["peak_vram_gib"] < 4.0
