@@ -8,6 +8,8 @@ paged optimizer buffers) is not capped: the per-step NVML number in metrics.json
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 from . import metrics
@@ -25,13 +27,32 @@ class Budget:
                 f"PyTorch allocator cap {self.allocator_cap_gib:.2f} GiB (card has {self.total_gib:.1f} GiB)")
 
 
+_CONTEXT_PROBE = """
+import pynvml, torch
+pynvml.nvmlInit()
+handle = pynvml.nvmlDeviceGetHandleByIndex({index})
+before = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+torch.ones(1, device="cuda:{index}")
+torch.cuda.synchronize()
+print(pynvml.nvmlDeviceGetMemoryInfo(handle).used - before - torch.cuda.memory_reserved({index}))
+"""
+
+
+def measure_context_bytes(index: int = 0) -> float:
+    """Size of a fresh CUDA context on this GPU and driver, measured in a throwaway process (a few seconds).
+    Needed when this process created its context before anyone recorded the memory in use without it."""
+    out = subprocess.run([sys.executable, "-c", _CONTEXT_PROBE.format(index=index)], capture_output=True,
+                         text=True, timeout=180, check=True)
+    return max(0.0, float(out.stdout.strip().splitlines()[-1]))
+
+
 def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("enforce_budget needs a CUDA GPU; on the CPU there is no device memory to cap")
-    metrics.record_nvml_baseline(device)
-    torch.ones(1, device=f"cuda:{device}")  # create the context so it can be measured
+    metrics.record_nvml_baseline(device)  # corrected for a context created earlier, if there is one
+    torch.ones(1, device=f"cuda:{device}")  # make sure the context exists so it can be measured
     torch.cuda.synchronize(device)
     used = metrics._nvml_used_bytes(device)
     baseline = metrics._NVML_BASELINE or 0.0

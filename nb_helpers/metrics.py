@@ -29,11 +29,33 @@ def _nvml_used_bytes(index: int) -> float | None:
         return None
 
 
+def holds_cuda_context(index: int = 0) -> bool:
+    """Whether this process already created its CUDA context on `index`. torch.cuda.is_initialized() is not
+    enough: importing bitsandbytes initializes CUDA without creating a context (seen with torch 2.11, CUDA 13)."""
+    import torch
+
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is None or not torch.cuda.is_available():
+        return torch.cuda.is_initialized()
+    return bool(probe(index))
+
+
 def record_nvml_baseline(index: int = 0) -> None:
-    """Call before the first CUDA allocation (nb_helpers.memory does) so device_used excludes other processes."""
+    """Remember NVML's device "used" without this process, so device_used_gib counts this process only,
+    CUDA context included. Best called before the first CUDA call (notebooks 01 and 03 do); when this process
+    already holds a context, its size is measured in a fresh subprocess and taken out of the baseline."""
     global _NVML_BASELINE
-    if _NVML_BASELINE is None:
-        _NVML_BASELINE = _nvml_used_bytes(index) or 0.0
+    if _NVML_BASELINE is not None:
+        return
+    used = _nvml_used_bytes(index)
+    if used is None:
+        _NVML_BASELINE = 0.0
+        return
+    if holds_cuda_context(index):
+        from .memory import measure_context_bytes
+
+        used -= measure_context_bytes(index)
+    _NVML_BASELINE = used
 
 
 def memory_snapshot() -> dict:
@@ -86,14 +108,17 @@ class MetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._tokens_before = state.num_input_tokens_seen or 0
-
-    def on_step_begin(self, args, state, control, **kwargs):
         _sync()
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        # Wall time between consecutive optimizer steps: data loading, every micro-batch, the optimizer, and
+        # the previous step's logging and checkpointing (so a save shows up as a spike on the next step).
+        # The Trainer fetches a step's micro-batches before on_step_begin, so that hook would miss them.
         _sync()
-        step_s = time.perf_counter() - self._step_start if self._step_start else None
+        now = time.perf_counter()
+        step_s = now - self._step_start if self._step_start else None
+        self._step_start = now
         tokens = (state.num_input_tokens_seen or 0) - self._tokens_before
         self._tokens_before = state.num_input_tokens_seen or 0
         self._pending = {"step": state.global_step, "epoch": state.epoch, "tokens": int(tokens), "step_s": step_s,

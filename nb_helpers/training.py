@@ -148,12 +148,15 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
     import torch
 
     cfg.validate()
+    extra: dict = {"budget_gib": cfg.budget_gib}
     if torch.cuda.is_available():
-        record_nvml_baseline(torch.cuda.current_device())
+        record_nvml_baseline(int(os.environ.get("LOCAL_RANK", "0")))  # before this process creates a context
         if cfg.budget_gib:
             from .memory import enforce_budget
 
-            print(f"[budget] {enforce_budget(cfg.budget_gib).describe()}")
+            budget = enforce_budget(cfg.budget_gib)
+            extra["cuda_context_gib"] = budget.context_gib
+            print(f"[budget] {budget.describe()}")
     elif cfg.budget_gib:
         print("[budget] budget_gib is ignored on the CPU (no device memory to cap)")
 
@@ -174,8 +177,8 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
         print(f"[run] {run_dir}")
     trainer, metrics_cb = build_trainer(cfg, model, tokenizer, train_rows, eval_rows, run_dir, listeners)
 
-    extra: dict = {"trainable_params": trainable, "compute_dtype": resolve_compute_dtype(cfg.compute_dtype),
-                   "versions": package_versions()}
+    extra.update(trainable_params=trainable, compute_dtype=resolve_compute_dtype(cfg.compute_dtype),
+                 versions=package_versions())
     task_rows = eval_rows[: cfg.task_eval_samples] if cfg.task_eval_samples else []
     if task_rows:
         # The adapter starts with B = 0, so the model right now answers exactly like the base model.

@@ -28,12 +28,21 @@ def embedded_dir():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, embedded_dir):
+def tokenizer_dir():
+    """The embedded model's tokenizer. Its folder alone is enough (the GPU device gets only these files)."""
+    from nb_helpers.models import embedded_model_dir, ensure_embedded_model
+
+    folder = embedded_model_dir()
+    return folder if (folder / "tokenizer.json").exists() else ensure_embedded_model(verbose=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     """A tiny random Llama (2 layers, hidden 64) with the embedded model's tokenizer: small for testing speed."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,

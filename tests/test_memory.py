@@ -1,0 +1,27 @@
+import pytest
+
+
+def test_budget_needs_a_gpu(monkeypatch):
+    import torch
+
+    from nb_helpers.memory import enforce_budget
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        enforce_budget(4.0)
+
+
+@pytest.mark.gpu
+def test_budget_caps_the_allocator_context_included():
+    import torch
+
+    from nb_helpers.memory import enforce_budget
+
+    budget = enforce_budget(4.0)
+    assert 0.1 < budget.context_gib < 1.5  # measured, not assumed
+    assert abs(budget.context_gib + budget.allocator_cap_gib - 4.0) < 1e-6
+    fits = torch.empty(int((budget.allocator_cap_gib - 0.3) * 2**30), dtype=torch.uint8, device="cuda")
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(int(0.6 * 2**30), dtype=torch.uint8, device="cuda")  # would cross the cap
+    del fits
+    torch.cuda.empty_cache()
