@@ -43,9 +43,9 @@ def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
         spikes = [r for r in steps[3:] if r.get("step_s") and r["step_s"] > SPIKE_FACTOR * typical]
         if spikes:
             flags.append(f"{len(spikes)} step(s) took over {SPIKE_FACTOR:g}x the median {typical:.2f} s "
-                         f"(steps {', '.join(str(r['step']) for r in spikes[:8])}). Occasional spikes are checkpoint "
-                         "saves; regular ones suggest paged-optimizer spill to host RAM (lower memory use) or a "
-                         "laptop GPU throttling (check temperature and power mode).")
+                         f"(steps {', '.join(str(r['step']) for r in spikes[:8])}). A single spike is usually another program "
+                         "using the machine; regular ones suggest paged-optimizer spill to host RAM (lower memory "
+                         "use) or a laptop GPU throttling (check temperature and power mode).")
     losses = [r["loss"] for r in steps]
     if len(losses) >= 6 and median(losses[-3:]) > median(losses[:3]):
         flags.append("train loss went up from the first steps to the last: lower learning_rate (try half).")

@@ -64,6 +64,7 @@ class RunConfig:
     completion_only_loss: bool = True  # loss on answers only; False trains on prompts too
     seed: int = 42
     save_steps: int = 50  # checkpoint every N optimizer steps (kept: the last 2)
+    eval_steps: int = 0  # eval loss every N steps; 0 = only before and after training (fastest)
     logging_steps: int = 1
     # --- data ------------------------------------------------------------------------------
     train_file: str = "data/train.jsonl"  # JSONL path (relative to the project root) or a hub dataset name
@@ -145,6 +146,9 @@ class RunConfig:
             problems.append(f"quant_type={self.quant_type!r}: choose 'nf4' (recommended) or 'fp4'")
         if self.optim not in OPTIMIZERS:
             problems.append(f"optim={self.optim!r}: choose one of {sorted(OPTIMIZERS)}")
+        if self.eval_steps < 0 or self.save_steps < 1:
+            problems.append(f"eval_steps={self.eval_steps}, save_steps={self.save_steps}: need eval_steps >= 0 "
+                            "(0 = before/after only) and save_steps >= 1")
         if self.budget_gib is not None and self.budget_gib <= 0:
             problems.append(f"budget_gib={self.budget_gib}: must be > 0 GiB, or None for no cap")
         if problems:
@@ -161,12 +165,12 @@ class RunConfig:
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).
 CI_OVERRIDES = dict(
     max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
-    max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, runs_dir="runs/ci",
+    max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2, runs_dir="runs/ci",
 )
 
 # CPU: the reference's batch 1 x accumulation 8 is launch-bound; batch 8 x 1 keeps the same effective
 # batch (so the same optimisation) and runs several times faster. The shipped task needs about one epoch.
-CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, max_steps=70, max_length=256)
+CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, max_steps=70, max_length=256, eval_steps=14)
 
 
 def default_config(**overrides) -> RunConfig:

@@ -112,9 +112,9 @@ class MetricsCallback(TrainerCallback):
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        # Wall time between consecutive optimizer steps: data loading, every micro-batch, the optimizer, and
-        # the previous step's logging and checkpointing (so a save shows up as a spike on the next step).
-        # The Trainer fetches a step's micro-batches before on_step_begin, so that hook would miss them.
+        # Wall time of the whole optimizer step: data loading, every micro-batch, the optimizer and logging.
+        # Measured from the previous step's end (the Trainer fetches a step's micro-batches before
+        # on_step_begin, so that hook would miss them); evaluation and checkpoint saves are excluded below.
         _sync()
         now = time.perf_counter()
         step_s = now - self._step_start if self._step_start else None
@@ -123,6 +123,12 @@ class MetricsCallback(TrainerCallback):
         self._tokens_before = state.num_input_tokens_seen or 0
         self._pending = {"step": state.global_step, "epoch": state.epoch, "tokens": int(tokens), "step_s": step_s,
                          "tokens_per_s": tokens / step_s if step_s and tokens else None, **memory_snapshot()}
+
+    def _restart_clock(self, *args, **kwargs):
+        _sync()
+        self._step_start = time.perf_counter()
+
+    on_evaluate = on_save = _restart_clock  # eval and checkpoint time are not training time
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         logs = logs or {}

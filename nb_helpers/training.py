@@ -27,7 +27,7 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False):
+def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval: bool = True):
     """Every training knob of the config as TRL's SFTConfig. Notebook 03 prints it."""
     import torch
     from trl import SFTConfig
@@ -56,7 +56,8 @@ def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False):
         save_strategy="steps",
         save_steps=cfg.save_steps,
         save_total_limit=2,
-        eval_strategy="no",
+        eval_strategy="steps" if cfg.eval_steps and has_eval else "no",
+        eval_steps=cfg.eval_steps or None,
         include_num_input_tokens_seen="non_padding",
         report_to="none",
         seed=cfg.seed,
@@ -116,19 +117,37 @@ def summarize(run_dir: Path, model_name: str, extra: dict) -> dict:
 
 
 def build_trainer(cfg: RunConfig, model, tokenizer, train_rows, eval_rows, run_dir: Path, listeners=()):
+    from transformers import PrinterCallback
     from trl import SFTTrainer
 
     text_rows = "text" in train_rows[0]
     metrics_cb = MetricsCallback(run_dir / "metrics.jsonl", listeners=listeners)
     trainer = SFTTrainer(
         model=model,
-        args=sft_config(cfg, run_dir, text_rows=text_rows),
+        args=sft_config(cfg, run_dir, text_rows=text_rows, has_eval=bool(eval_rows)),
         train_dataset=to_dataset(train_rows),
         eval_dataset=to_dataset(eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         callbacks=[metrics_cb],
     )
+    trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
     return trainer, metrics_cb
+
+
+def progress_printer(total_steps: int, every: int):
+    """One readable line every `every` steps (and eval results) for terminals and notebook logs."""
+
+    def show(record: dict) -> None:
+        if "eval_loss" in record:
+            print(f"[eval] step {record['step']}: eval loss {record['eval_loss']:.4f}", flush=True)
+        elif record["step"] % every == 0 or record["step"] in (1, total_steps):
+            memory = record.get("device_used_gib") or record.get("host_rss_gib")
+            where = "device" if record.get("device_used_gib") is not None else "host RSS"
+            print(f"[train] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
+                  f"{record['step_s']:.2f} s/step | {record['tokens_per_s'] or 0:.0f} tok/s | "
+                  f"{where} {memory:.2f} GiB", flush=True)
+
+    return show
 
 
 def oom_advice(cfg: RunConfig, step: int | None) -> str:
@@ -175,6 +194,9 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
     mark_latest(run_dir)
     if verbose:
         print(f"[run] {run_dir}")
+        total_steps = cfg.max_steps if cfg.max_steps > 0 else \
+            int(cfg.num_train_epochs * -(-len(train_rows) // cfg.effective_batch))
+        listeners = [*listeners, progress_printer(total_steps, every=max(1, total_steps // 20))]
     trainer, metrics_cb = build_trainer(cfg, model, tokenizer, train_rows, eval_rows, run_dir, listeners)
 
     extra.update(trainable_params=trainable, compute_dtype=resolve_compute_dtype(cfg.compute_dtype),
@@ -186,8 +208,6 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
         extra.update(task_metric=base["metric"], task_base=base["score"])
     if eval_rows:
         extra["eval_loss_before"] = trainer.evaluate()["eval_loss"]
-        if verbose:
-            print(f"[eval] loss before training: {extra['eval_loss_before']:.4f}")
 
     try:
         trainer.train()
@@ -214,12 +234,14 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True) -> Path:
 
     if extra.get("status", "completed") == "completed":
         if eval_rows:
-            extra["eval_loss_after"] = trainer.evaluate()["eval_loss"]
+            evals = [r for r in metrics_cb.records if "eval_loss" in r]
+            already = evals and evals[-1]["step"] == trainer.state.global_step  # eval_steps hit the last step
+            extra["eval_loss_after"] = evals[-1]["eval_loss"] if already else trainer.evaluate()["eval_loss"]
         if task_rows:
             tuned = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens)
             extra["task_tuned"] = tuned["score"]
             write_jsonl(run_dir / "predictions.jsonl",
-                        [{"base": b["prediction"], "base_score": b["score"], **{k: v for k, v in t.items()}}
+                        [{"base": b["prediction"], "base_score": b["score"], **t}
                          for b, t in zip(base["predictions"], tuned["predictions"])])
 
     metrics_cb.close()

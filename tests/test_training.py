@@ -101,3 +101,11 @@ def test_reference_recipe_under_a_4gib_budget(tiny_cfg):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert 0 < summary["peak_vram_gib"] < 4.0
+
+
+def test_periodic_eval_is_logged_once_per_eval_step(tiny_cfg):
+    run_dir = train(tiny_cfg.replace(eval_steps=1, task_eval_samples=0), verbose=False)
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]  # the last one doubles as eval_loss_after
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_loss_after"] == evals[-1]["eval_loss"]
