@@ -50,11 +50,39 @@ def cmd_config(args) -> int:
 def cmd_train(args) -> int:
     from .training import train
 
-    cfg = RunConfig.load(args.config) if args.config else default_config()
-    cfg = _apply_sets(cfg, args.set)
-    run_dir = train(cfg)
+    if args.resume:
+        if args.config or args.set:
+            raise ConfigError("--resume continues a run with its own config.json; leave out --config and --set")
+        run_dir = train(RunConfig(), resume_from=args.resume)
+    else:
+        cfg = RunConfig.load(args.config) if args.config else default_config()
+        run_dir = train(_apply_sets(cfg, args.set))
     summary = json.loads((run_dir / "summary.json").read_text())
     return 0 if summary.get("status") == "completed" else 1
+
+
+def cmd_validate_data(args) -> int:
+    """Check a JSONL dataset: FILE:LINE: problem — fix. Exit 0 clean (warnings allowed), 1 errors, 2 unreadable."""
+    from .data import check_jsonl
+
+    tokenizer = None
+    if args.model:
+        from .models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    else:
+        from .models import embedded_model_dir
+
+        if (embedded_model_dir() / "tokenizer.json").exists():
+            from .models import load_tokenizer
+
+            tokenizer = load_tokenizer(str(embedded_model_dir()))
+    report = check_jsonl(args.path, completion_only_loss=not args.all_tokens, tokenizer=tokenizer,
+                         max_length=args.max_length)
+    print(report.text(limit=args.limit))
+    if tokenizer is None:
+        print("(length check skipped: pass --model to count tokens with your model's tokenizer)")
+    return report.exit_code
 
 
 def cmd_course(args) -> int:
@@ -130,7 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="headless training, the same as notebook 03 (accelerate launch uses this)")
     p.add_argument("--config", help="JSON config file (see `config`); default: this machine's default config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob, e.g. lora_r=16")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("validate-data", help="check a JSONL dataset (exit 0 clean, 1 errors, 2 unreadable)")
+    p.add_argument("path")
+    p.add_argument("--model", help="tokenizer to count tokens with (default: the embedded model's, if present)")
+    p.add_argument("--max-length", type=int, default=RunConfig().max_length, help="warn about rows longer than this")
+    p.add_argument("--all-tokens", action="store_true", help="loss on all tokens (completion_only_loss=False)")
+    p.add_argument("--limit", type=int, default=200, help="most problems to print")
+    p.set_defaults(func=cmd_validate_data)
 
     p = sub.add_parser("course", help="execute notebooks 00-05 in order and keep them in the run folder (make run)")
     p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")
@@ -143,9 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .data import DataError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

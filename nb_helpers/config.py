@@ -71,6 +71,7 @@ class RunConfig:
     eval_file: str | None = "data/eval.jsonl"  # held-out rows; None skips evaluation
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    skip_invalid: bool = False  # True drops invalid rows (their line numbers are printed) instead of stopping
     # --- task evaluation (generation on held-out prompts) ------------------------------------
     task_eval_samples: int = 60  # 0 skips the base-vs-tuned comparison
     max_new_tokens: int = 80
@@ -149,6 +150,11 @@ class RunConfig:
         if self.eval_steps < 0 or self.save_steps < 1:
             problems.append(f"eval_steps={self.eval_steps}, save_steps={self.save_steps}: need eval_steps >= 0 "
                             "(0 = before/after only) and save_steps >= 1")
+        if self.model and self.model.startswith((".", "/", "~")) and not self.resolve_path(self.model).exists():
+            problems.append(f"model={self.model!r}: no such folder; give an existing local path or a hub id")
+        runs = self.resolve_path(self.runs_dir)
+        if runs.exists() and not runs.is_dir():
+            problems.append(f"runs_dir={self.runs_dir!r} is a file; point it at a folder")
         if self.budget_gib is not None and self.budget_gib <= 0:
             problems.append(f"budget_gib={self.budget_gib}: must be > 0 GiB, or None for no cap")
         if problems:

@@ -1,4 +1,4 @@
-"""Loading instruction data in the formats people actually have, into TRL's conversational prompt/completion form.
+"""Loading and checking instruction data, in the formats people actually have.
 
 Accepted per JSONL row (one format per file):
   {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}   last message = the answer
@@ -9,115 +9,267 @@ or a hub dataset name (needs the hub), whose rows use one of the same formats.
 
 Everything except `text` becomes {"prompt": [messages], "completion": [assistant message]}: TRL then applies
 the model's chat template and, with completion_only_loss, computes the loss on the answer tokens only.
+
+One validator serves both `python -m nb_helpers validate-data` and training: `check_jsonl` collects every
+problem as FILE:LINE: problem — fix, and never raises on bad content.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import RunConfig
 
-ROLES = {"system", "user", "assistant"}
+ROLES = ("system", "user", "assistant")
+FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
+          "instruction": ("instruction", "output"), "text": ("text",)}
 
 
 class DataError(ValueError):
-    """A dataset problem, reported as FILE:LINE: problem - fix."""
+    """A dataset problem, reported as FILE:LINE: problem — fix."""
 
 
-def _problem(source: str, line: int | None, problem: str, fix: str) -> DataError:
-    where = f"{source}:{line}" if line is not None else source
-    return DataError(f"{where}: {problem} — {fix}")
+class RowProblem(ValueError):
+    def __init__(self, problem: str, fix: str):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+@dataclass
+class Problem:
+    line: int | None
+    severity: str  # "error" or "warning"
+    problem: str
+    fix: str
+
+    def format(self, source: str) -> str:
+        where = f"{source}:{self.line}" if self.line is not None else source
+        return f"{where}: {self.severity}: {self.problem} — {self.fix}"
+
+
+@dataclass
+class DataReport:
+    source: str
+    rows: list[dict] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # the line of each good row
+    problems: list[Problem] = field(default_factory=list)
+    unreadable: str | None = None  # why the file could not be read at all
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.unreadable else (1 if self.errors else 0)
+
+    def add(self, line, severity, problem, fix) -> None:
+        self.problems.append(Problem(line, severity, problem, fix))
+
+    def text(self, limit: int = 50) -> str:
+        if self.unreadable:
+            return f"{self.source}: cannot read: {self.unreadable}"
+        shown = sorted(self.problems, key=lambda p: (p.line or 0, p.severity))[:limit]
+        lines = [p.format(self.source) for p in shown]
+        if len(self.problems) > limit:
+            lines.append(f"... and {len(self.problems) - limit} more")
+        lines.append(f"{self.source}: {len(self.rows)} usable rows, {len(self.errors)} error(s), "
+                     f"{len(self.warnings)} warning(s)")
+        return "\n".join(lines)
 
 
 def detect_format(row: dict) -> str | None:
     if "messages" in row:
         return "messages"
-    if "prompt" in row and "completion" in row:
+    if "prompt" in row or "completion" in row:
         return "prompt_completion"
-    if "instruction" in row and "output" in row:
+    if "instruction" in row or "output" in row:
         return "instruction"
     if "text" in row:
         return "text"
     return None
 
 
-def _as_messages(value, role: str) -> list[dict]:
-    return value if isinstance(value, list) else [{"role": role, "content": value}]
+def _check_text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise RowProblem(f"{what} is {type(value).__name__}, not a string", f"make {what} a JSON string")
+    if not value.strip():
+        raise RowProblem(f"{what} is empty", f"fill in {what} or remove the row")
+    return value
 
 
-def normalize_row(row: dict, source: str = "<row>", line: int | None = None) -> dict:
-    fmt = detect_format(row) if isinstance(row, dict) else None
+def _check_messages(messages, what: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise RowProblem(f"{what} must be a non-empty list of messages", 'use [{"role": "user", "content": "..."}, ...]')
+    for i, message in enumerate(messages, start=1):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise RowProblem(f"message {i} of {what} needs 'role' and 'content'",
+                             'write it as {"role": "user", "content": "..."}')
+        if message["role"] not in ROLES:
+            raise RowProblem(f"message {i} has unknown role {message['role']!r}", f"use one of {', '.join(ROLES)}")
+        _check_text(message["content"], f"the content of message {i} ({message['role']})")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _check_turn_order(messages: list[dict]) -> None:
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    for i, message in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            position = i + 1 + (len(messages) - len(turns))
+            raise RowProblem(f"message {position} is {message['role']!r} where {expected!r} was expected",
+                             "after an optional system message, turns must alternate user, assistant, user, ...")
+
+
+def normalize_row(row, completion_only_loss: bool = True) -> dict:
+    """One raw row -> {"prompt": [...], "completion": [...]} or {"text": ...}; raises RowProblem."""
+    if not isinstance(row, dict):
+        raise RowProblem(f"row is a JSON {type(row).__name__}, not an object", 'write each line as {"messages": [...]}')
+    fmt = detect_format(row)
     if fmt is None:
-        raise _problem(source, line, f"row matches no accepted format (keys: {sorted(row) if isinstance(row, dict) else type(row).__name__})",
-                       "use messages, prompt/completion, instruction/input/output or text")
+        raise RowProblem(f"row matches no accepted format (keys: {', '.join(sorted(row)) or 'none'})",
+                         "use messages, prompt/completion, instruction/input/output or text")
+    missing = [name for name in FIELDS[fmt] if name not in row]
+    if missing:
+        raise RowProblem(f"missing field {missing[0]!r} for the {fmt.replace('_', '/')} format",
+                         f"add {missing[0]!r} to the row")
     if fmt == "text":
-        if not isinstance(row["text"], str) or not row["text"].strip():
-            raise _problem(source, line, "empty or non-string 'text'", "give the row some text or remove it")
-        return {"text": row["text"]}
+        return {"text": _check_text(row["text"], "'text'")}
     if fmt == "messages":
-        messages = row["messages"]
-        if not isinstance(messages, list) or len(messages) < 2:
-            raise _problem(source, line, "'messages' needs at least a user and an assistant message",
-                           "add the missing turn")
-        prompt, completion = messages[:-1], [messages[-1]]
+        messages = _check_messages(row["messages"], "'messages'")
+        _check_turn_order(messages)
+        prompt, completion = messages[:-1], messages[-1:]
     elif fmt == "prompt_completion":
-        prompt, completion = _as_messages(row["prompt"], "user"), _as_messages(row["completion"], "assistant")
+        prompt = (_check_messages(row["prompt"], "'prompt'") if isinstance(row["prompt"], list)
+                  else [{"role": "user", "content": _check_text(row["prompt"], "'prompt'")}])
+        completion = (_check_messages(row["completion"], "'completion'") if isinstance(row["completion"], list)
+                      else [{"role": "assistant", "content": _check_text(row["completion"], "'completion'")}])
     else:
-        user = row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
-        prompt, completion = [{"role": "user", "content": user}], [{"role": "assistant", "content": row["output"]}]
-    for message in prompt + completion:
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise _problem(source, line, f"bad message {message!r}", f"each message needs a role in {sorted(ROLES)}")
-        if not isinstance(message.get("content"), str) or not message["content"].strip():
-            raise _problem(source, line, f"empty or non-string content in a {message.get('role')} message",
-                           "fill in the text or remove the row")
-    if completion[-1]["role"] != "assistant":
-        raise _problem(source, line, "the last message is not from the assistant, so there is no answer to learn",
-                       "end each row with the assistant's answer")
+        instruction = _check_text(row["instruction"], "'instruction'")
+        extra = row.get("input") or ""
+        if not isinstance(extra, str):
+            raise RowProblem(f"'input' is {type(extra).__name__}, not a string", "make 'input' a string or leave it out")
+        user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        prompt = [{"role": "user", "content": user}]
+        completion = [{"role": "assistant", "content": _check_text(row["output"], "'output'")}]
+    if not prompt or completion[-1]["role"] != "assistant":
+        fix = ("end each row with the assistant's answer (loss is on answers only)" if completion_only_loss
+               else "end each row with the assistant's answer, or use {'text': ...} rows")
+        raise RowProblem("no assistant answer after a user turn, so there is nothing to learn", fix)
     return {"prompt": prompt, "completion": completion}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        raise _problem(str(path), None, "file not found", "check train_file/eval_file in the config")
+def _token_count(tokenizer, row: dict) -> tuple[int, int]:
+    """(prompt tokens, total tokens) as the trainer will see them."""
+    if "text" in row:
+        return 0, len(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
+    prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return count(prompt), count(full)
+
+
+def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=None,
+                max_length: int | None = None) -> DataReport:
+    """Check every line of a JSONL dataset. Never raises for bad content: problems go into the report."""
+    path = Path(path)
+    report = DataReport(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise _problem(str(path), None, f"not UTF-8 ({e.reason} at byte {e.start})", "re-save the file as UTF-8") from e
-    rows, formats = [], set()
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
+        raw = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError, OSError) as e:
+        report.unreadable = f"{type(e).__name__}: {e.strerror or e} — check the path (train_file/eval_file)"
+        return report
+    seen: dict[str, int] = {}
+    first_kind: tuple[str, int] | None = None
+    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            line = raw_line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            report.add(number, "error", f"not UTF-8 (byte 0x{raw_line[e.start]:02x} at column {e.start + 1})",
+                       "re-save the file as UTF-8")
+            continue
+        if not line.strip():
             continue
         try:
-            record = json.loads(raw)
+            record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise _problem(str(path), number, f"not valid JSON ({e.msg} at column {e.colno})",
-                           "fix or remove this line") from e
-        row = normalize_row(record, str(path), number)
-        formats.add("text" if "text" in row else "chat")
-        rows.append(row)
-    if not rows:
-        raise _problem(str(path), None, "no rows", "add at least one JSON line")
-    if len(formats) > 1:
-        raise _problem(str(path), None, "mixes plain 'text' rows with chat rows",
+            report.add(number, "error", f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove this line")
+            continue
+        try:
+            row = normalize_row(record, completion_only_loss)
+        except RowProblem as p:
+            report.add(number, "error", p.problem, p.fix)
+            continue
+        kind = "text" if "text" in row else "chat"
+        if first_kind is None:
+            first_kind = (kind, number)
+        elif kind != first_kind[0]:
+            report.add(number, "error", f"a {kind} row in a file whose first row (line {first_kind[1]}) is {first_kind[0]}",
                        "use one format per file (text rows get no chat template and no answer-only loss)")
-    return rows
+            continue
+        key = json.dumps(row, sort_keys=True)
+        if key in seen:
+            report.add(number, "warning", f"duplicate of line {seen[key]}",
+                       "remove it unless you mean to weight this example twice")
+        else:
+            seen[key] = number
+        if tokenizer is not None and max_length:
+            prompt_tokens, total = _token_count(tokenizer, row)
+            if total > max_length:
+                cut = total - max_length
+                if prompt_tokens >= max_length and "prompt" in row:
+                    report.add(number, "warning", f"{total} tokens; the prompt alone ({prompt_tokens}) fills max_length "
+                               f"{max_length}, so the whole answer is cut and the row is dropped",
+                               f"raise max_length to {total} or shorten the prompt")
+                else:
+                    report.add(number, "warning", f"{total} tokens, {cut} over max_length {max_length}: the last "
+                               f"{cut} tokens would be cut", f"raise max_length to {total} or shorten the row")
+        report.rows.append(row)
+        report.lines.append(number)
+    if not report.rows and not report.errors:
+        report.add(None, "error", "no rows (the file is empty)", "add at least one JSON line")
+    return report
 
 
-def load_rows(source: str, cfg: RunConfig, limit: int | None = None) -> list[dict]:
+def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=None) -> list[dict]:
+    """Rows of a JSONL file (checked) or a hub dataset. Errors stop here, before any model loads, unless
+    cfg.skip_invalid drops the bad rows (their line numbers are printed)."""
     path = cfg.resolve_path(source)
     if path.suffix in {".jsonl", ".json"} or path.exists():
-        rows = read_jsonl(path)
+        report = check_jsonl(path, cfg.completion_only_loss, tokenizer, cfg.max_length)
+        if report.unreadable:
+            raise DataError(report.text())
+        if report.errors and not cfg.skip_invalid:
+            raise DataError(report.text(limit=20) + "\nFix these rows, check them with "
+                            f"`python -m nb_helpers validate-data {source}`, or set skip_invalid=True to drop them.")
+        if report.errors:
+            dropped = [p.line for p in report.errors if p.line is not None]
+            print(f"[data] {source}: skipped {len(dropped)} invalid row(s) (skip_invalid=True), lines "
+                  f"{', '.join(map(str, dropped[:30]))}{' ...' if len(dropped) > 30 else ''}")
+        if not report.rows:
+            raise DataError(report.text(limit=20))
+        for problem in report.warnings[:5]:
+            print(f"[data] {problem.format(source)}")
+        if len(report.warnings) > 5:
+            print(f"[data] ... {len(report.warnings) - 5} more warning(s): `python -m nb_helpers validate-data {source}`")
+        rows = report.rows
     else:  # a hub dataset name
         from datasets import load_dataset
 
-        split = "train"
-        name = source
-        if ":" in source:
-            name, split = source.split(":", 1)
-        raw = load_dataset(name, split=split)
-        rows = [normalize_row(dict(r), source, i) for i, r in enumerate(raw, start=1)]
+        name, _, split = source.partition(":")
+        rows = []
+        for number, record in enumerate(load_dataset(name, split=split or "train"), start=1):
+            try:
+                rows.append(normalize_row(dict(record), cfg.completion_only_loss))
+            except RowProblem as p:
+                if not cfg.skip_invalid:
+                    raise DataError(f"{source}:{number}: error: {p.problem} — {p.fix}") from None
     return rows[:limit] if limit else rows
 
 
@@ -127,10 +279,10 @@ def to_dataset(rows: list[dict]):
     return Dataset.from_list(rows)
 
 
-def load_train_eval(cfg: RunConfig):
-    """Read and check both splits before any model loads, so data problems cost seconds, not minutes."""
-    train_rows = load_rows(cfg.train_file, cfg, cfg.max_train_samples)
-    eval_rows = load_rows(cfg.eval_file, cfg, cfg.max_eval_samples) if cfg.eval_file else []
+def load_train_eval(cfg: RunConfig, tokenizer=None):
+    """Read and check both splits before the model's weights load, so data problems cost seconds, not minutes."""
+    train_rows = load_rows(cfg.train_file, cfg, cfg.max_train_samples, tokenizer)
+    eval_rows = load_rows(cfg.eval_file, cfg, cfg.max_eval_samples, tokenizer) if cfg.eval_file else []
     if "text" in train_rows[0] and cfg.completion_only_loss:
         print("[data] plain-text rows have no separate answer: training on all tokens (completion_only_loss ignored)")
     return train_rows, eval_rows

@@ -142,7 +142,9 @@ def load_4bit(cfg: RunConfig, choice: ModelChoice):
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype))
-    kwargs = dict(dtype=dtype, device_map=device_map_for_this_process(), trust_remote_code=cfg.trust_remote_code)
+    # use_safetensors: weights never come from pickle files, which can run code when loaded.
+    kwargs = dict(dtype=dtype, device_map=device_map_for_this_process(), trust_remote_code=cfg.trust_remote_code,
+                  use_safetensors=True)
     if cfg.load_in_4bit:
         kwargs["quantization_config"] = bnb_config(cfg)
     model = AutoModelForCausalLM.from_pretrained(choice.path, **kwargs)

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from nb_helpers.config import PROJECT_ROOT, RunConfig
-from nb_helpers.data import DataError, load_rows, normalize_row, read_jsonl
+from nb_helpers.data import DataError, RowProblem, load_rows, normalize_row
 
 
 def write(tmp_path, lines, name="d.jsonl"):
@@ -29,37 +29,26 @@ def test_all_accepted_formats_become_prompt_completion():
 
 @pytest.mark.parametrize("row, message", [
     ({"question": "q"}, "matches no accepted format"),
-    ({"messages": [{"role": "user", "content": "q"}]}, "at least a user and an assistant"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}, "needs a role"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "empty or non-string"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}, "empty or non-string"),
-    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}, "no answer to learn"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "no assistant answer"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}, "unknown role"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "is empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 3}]}, "not a string"),
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]}, "where 'user' was expected"),
 ])
 def test_bad_rows_are_explained(row, message):
-    with pytest.raises(DataError, match=message):
-        normalize_row(row, "f.jsonl", 7)
+    with pytest.raises(RowProblem, match=message) as err:
+        normalize_row(row)
+    assert err.value.fix
 
 
-def test_malformed_line_names_file_and_line(tmp_path):
+def test_loader_stops_with_file_and_line(tmp_path):
     good = json.dumps({"prompt": "q", "completion": "a"})
     path = write(tmp_path, [good, good, '{"prompt": "q", "completion": '])
     with pytest.raises(DataError) as err:
-        read_jsonl(path)
-    assert f"{path}:3: not valid JSON" in str(err.value) and "fix or remove this line" in str(err.value)
-
-
-def test_empty_non_utf8_and_mixed_files(tmp_path):
-    with pytest.raises(DataError, match="no rows"):
-        read_jsonl(write(tmp_path, [""], "empty.jsonl"))
-    latin = tmp_path / "latin.jsonl"
-    latin.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match="not UTF-8"):
-        read_jsonl(latin)
-    mixed = write(tmp_path, [json.dumps({"text": "t"}), json.dumps({"prompt": "q", "completion": "a"})], "m.jsonl")
-    with pytest.raises(DataError, match="mixes plain 'text' rows"):
-        read_jsonl(mixed)
-    with pytest.raises(DataError, match="file not found"):
-        read_jsonl(tmp_path / "missing.jsonl")
+        load_rows(str(path), RunConfig())
+    assert f"{path}:3: error: not valid JSON" in str(err.value) and "fix or remove this line" in str(err.value)
+    with pytest.raises(DataError, match="cannot read"):
+        load_rows(str(tmp_path / "missing.jsonl"), RunConfig())
 
 
 def test_shipped_dataset_is_clean_and_disjoint():

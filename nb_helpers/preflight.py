@@ -1,0 +1,57 @@
+"""Settings checks that need the model's config.json but not its weights: they run before anything big loads."""
+
+from __future__ import annotations
+
+from .config import ConfigError, RunConfig
+from .environment import cuda_capability
+from .lora import check_targets
+from .models import ModelChoice, sixteen_bit_bytes_from_config
+
+
+def model_config(cfg: RunConfig, choice: ModelChoice):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(choice.path, trust_remote_code=cfg.trust_remote_code)
+
+
+def four_bit_weight_bytes(config) -> int:
+    """NF4 weights as loaded: half a byte per linear weight plus ~1/64 byte of double-quant constants, the rest
+    (embeddings, head, norms) in 16-bit. Within a few percent of models.memory_breakdown on loaded models."""
+    sizes = sixteen_bit_bytes_from_config(config)
+    linear = sizes["linear_params"]
+    return linear // 2 + linear // 64 + 2 * (sizes["embedding_params"] + sizes["norm_params"])
+
+
+def preflight(cfg: RunConfig, choice: ModelChoice, verbose: bool = True) -> RunConfig:
+    """Raise ConfigError for settings that cannot work with this model; return cfg with safe adjustments."""
+    config = model_config(cfg, choice)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.max_length > limit:
+        raise ConfigError(f"max_length={cfg.max_length} is above {choice.name}'s limit of {limit} positions; "
+                          f"set max_length <= {limit}")
+    check_targets(skeleton(config), cfg.target_modules)
+    capability = cuda_capability()
+    if cfg.compute_dtype == "bfloat16" and capability is not None and capability < (8, 0):
+        if verbose:
+            print(f"[config] compute_dtype='bfloat16' asked for, but this GPU (compute capability "
+                  f"{capability[0]}.{capability[1]}) has no native bf16: using float16 instead, with "
+                  f"max_grad_norm={cfg.max_grad_norm} keeping it stable")
+        cfg = cfg.replace(compute_dtype="float16")
+    return cfg
+
+
+def skeleton(config):
+    """The model's modules with no memory behind them (meta device): enough to list layer names."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_budget_fits(cfg: RunConfig, choice: ModelChoice, allocator_cap_gib: float) -> None:
+    weights = four_bit_weight_bytes(model_config(cfg, choice)) / 2**30
+    if weights >= allocator_cap_gib:
+        raise ConfigError(f"budget_gib={cfg.budget_gib} leaves {allocator_cap_gib:.2f} GiB after the CUDA context, "
+                          f"less than {choice.name}'s 4-bit weights alone ({weights:.2f} GiB); raise budget_gib "
+                          f"above {weights + (cfg.budget_gib - allocator_cap_gib) + 0.5:.1f} or pick a smaller model")
