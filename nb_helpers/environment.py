@@ -77,18 +77,6 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def nvml_device_used_gib(index: int = 0) -> float | None:
-    """Device memory in use as nvidia-smi shows it (all processes, CUDA context included)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
-    except Exception:
-        return None
-
-
 def bnb_roundtrip(device: str) -> tuple[bool, str]:
     """Quantize a real tensor to NF4 and back on `device`; proves bitsandbytes works here, not just imports."""
     try:
