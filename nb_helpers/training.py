@@ -53,6 +53,7 @@ def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval:
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         logging_steps=cfg.logging_steps,
+        logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
         save_strategy="steps",
         save_steps=cfg.save_steps,
         save_total_limit=2,
