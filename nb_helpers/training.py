@@ -178,10 +178,12 @@ class LastGoodAdapter:
             self.state = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}
 
     def restore(self) -> bool:
+        import torch
+
         if self.state is None:
             return False
         params = dict(self.model.named_parameters())
-        with __import__("torch").no_grad():
+        with torch.no_grad():
             for name, value in self.state.items():
                 params[name].copy_(value.to(params[name].device))
         return True
