@@ -2,9 +2,15 @@
 # On the GPU device: the reference recipe on a TinyLlama-1.1B-shaped model (random weights) under an emulated
 # 4 GiB budget, then the same run with micro-batch 8 x accumulation 1 (same effective batch), then the GPU
 # tests. Results land in $OUT and are committed under examples/.
+# Anywhere with the project installed: `bash bench/gpu_reference_example.sh`. On the lent device, carry .whl
+# (../shared/device-wheels.sh) and .devcarry/cache (the embedded model's tokenizer files, for the GPU tests).
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NB_CACHE_DIR=$PWD/.devcarry/cache
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+[ -d .devcarry/cache ] && export NB_CACHE_DIR=$PWD/.devcarry/cache
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RUNS=$(mktemp -d)  # fresh every call: a warm machine keeps /tmp between calls
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
