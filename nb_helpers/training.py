@@ -132,6 +132,13 @@ def build_trainer(cfg: RunConfig, model, tokenizer, train_rows, eval_rows, run_d
         callbacks=[metrics_cb],
     )
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
+    if resolve_compute_dtype(cfg.compute_dtype) != "bfloat16":
+        # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
+        # gradients, so fp16 runs (Turing: GTX 1650, T4) crashed at the first step; they need fp32 master weights.
+        # The optimizer is created in train(), so it sees the fp32 parameters.
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
     return trainer, metrics_cb
 
 

@@ -109,3 +109,28 @@ def test_periodic_eval_is_logged_once_per_eval_step(tiny_cfg):
     assert [r["step"] for r in evals] == [0, 1, 2, 3]  # the last one doubles as eval_loss_after
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_loss_after"] == evals[-1]["eval_loss"]
+
+
+@pytest.mark.parametrize("dtype, adapter_dtype", [("float32", "float32"), ("bfloat16", "bfloat16")])
+def test_adapter_weights_match_the_precision_mode(tiny_cfg, tmp_path, dtype, adapter_dtype):
+    """TRL casts QLoRA adapters to bf16; fp16/fp32 runs need fp32 adapters (fp16 AMP cannot unscale bf16 grads)."""
+    import torch
+
+    from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer
+    from nb_helpers.training import attach_lora, build_trainer
+
+    cfg = tiny_cfg.replace(compute_dtype=dtype)
+    choice = ModelChoice(cfg.model, "tiny", "test")
+    model = attach_lora(load_4bit(cfg, choice), cfg)
+    rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
+    build_trainer(cfg, model, load_tokenizer(cfg.model), rows, [], tmp_path)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {getattr(torch, adapter_dtype)}
+
+
+@pytest.mark.gpu
+def test_fp16_training_runs_on_gpu(tiny_cfg):
+    """The Turing path: fp16 mixed precision with a 4-bit base must train (GradScaler needs fp32 adapters)."""
+    run_dir = train(tiny_cfg.replace(compute_dtype="float16", max_steps=2, task_eval_samples=0), verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["compute_dtype"] == "float16"
