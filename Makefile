@@ -27,8 +27,9 @@ test-unit: setup
 test-notebooks: setup
 	NB_CI=1 $(PY) -m pytest --nbmake --nbmake-timeout=1800 notebooks
 
+# Containers and WSL often run as root, which JupyterLab refuses without --allow-root.
 lab: setup
-	$(PY) -m jupyter lab notebooks/
+	$(PY) -m jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,) $(LAB_ARGS)
 
 env: setup
 	$(PY) -m nb_helpers env
