@@ -1,4 +1,4 @@
-"""Command line: python -m nb_helpers {env,config,train,course} --help"""
+"""Command line: python -m nb_helpers {env,config,plan,train,validate-data,course,clean-notebooks} --help"""
 
 from __future__ import annotations
 
@@ -59,6 +59,62 @@ def cmd_train(args) -> int:
         run_dir = train(_apply_sets(cfg, args.set))
     summary = json.loads((run_dir / "summary.json").read_text())
     return 0 if summary.get("status") == "completed" else 1
+
+
+PLAN_DOES_NOT_FIT = 3
+
+
+def cmd_plan(args) -> int:
+    """Predicted peak memory from config.json alone; exit 0 when it fits the budget, 3 when it does not."""
+    from .planner import ALL_LINEAR, PlanInput, auto_fit, default_context_gib, load_shape, plan
+
+    if args.model is None:
+        from .models import resolve_model
+
+        args.model = resolve_model(RunConfig(), verbose=True).path
+    try:
+        shape = load_shape(args.model)
+    except Exception as e:  # noqa: BLE001 - a missing folder, an unreachable hub: one line, not a traceback
+        raise ConfigError(f"--model {args.model}: cannot read its config.json ({e}); give a local model folder, "
+                          "a path to config.json or a hub id") from None
+    targets = ALL_LINEAR if args.targets == "all-linear" else tuple(t.strip() for t in args.targets.split(",") if t)
+    capability = tuple(int(x) for x in args.gpu_capability.split(".")) if args.gpu_capability else None
+    if capability is None:
+        from .environment import cuda_capability
+
+        capability = cuda_capability() or (7, 5)
+    dtype = args.dtype or ("bfloat16" if capability >= (8, 0) else "float16")
+    context = args.context_gib if args.context_gib is not None else default_context_gib()
+    for name, value in (("--seq", args.seq), ("--batch", args.batch), ("--accum", args.accum), ("--rank", args.rank)):
+        if value < 1:
+            raise ConfigError(f"{name} {value}: must be >= 1")
+    inp = PlanInput(seq=args.seq, batch=args.batch, accum=args.accum, rank=args.rank, targets=targets,
+                    gradient_checkpointing=not args.no_gc, optim=args.optim, compute_dtype=dtype,
+                    double_quant=not args.no_double_quant, lora_dropout=args.dropout,
+                    labelled_fraction=args.labelled_fraction, context_gib=context, gpu_capability=capability)
+    try:
+        result = plan(shape, inp, budget_gib=args.budget)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(f"model {shape.name or args.model}: {shape.layers} layers, hidden {shape.hidden}, MLP "
+              f"{shape.intermediate}, vocab {shape.vocab}{' (tied head)' if shape.tied else ''}")
+        print(f"seq {inp.seq} | micro-batch {inp.batch} x accumulation {inp.accum} | r={inp.rank} on "
+              f"{','.join(inp.targets)} | GC {'on' if inp.gradient_checkpointing else 'off'} | {inp.optim} | "
+              f"{dtype} | context {context:.2f} GiB | compute capability {capability[0]}.{capability[1]}")
+        print(result.table())
+        for note in result.notes:
+            print(f"note: {note}")
+        if args.auto_fit:
+            try:
+                choice = auto_fit(shape, inp, inp.batch * inp.accum, args.budget, log=lambda *_: None)
+                print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
+            except MemoryError as e:
+                print(f"auto-fit: {e}")
+        print(result.verdict())
+    return 0 if result.fits else PLAN_DOES_NOT_FIT
 
 
 def cmd_validate_data(args) -> int:
@@ -148,6 +204,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write to this file instead of printing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("plan", help="will it fit? predicted peak GPU memory from config.json alone (exit 0 fits, 3 not)")
+    p.add_argument("--model", help="hub id, local folder or config.json (default: the model training would pick)")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (max_length)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch: sequences per forward pass")
+    p.add_argument("--accum", type=int, default=8, help="gradient accumulation steps")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank r")
+    p.add_argument("--budget", type=float, default=4.0, help="GiB the card has, CUDA context included (default 4)")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma list, or all-linear")
+    p.add_argument("--no-gc", action="store_true", help="without gradient checkpointing")
+    p.add_argument("--context-gib", type=float, default=None,
+                   help="CUDA context size (default: measured on this GPU, else 0.30 for consumer cards)")
+    p.add_argument("--optim", default="paged_adamw_8bit", help="paged_adamw_8bit, adamw_8bit, adamw_torch, ...")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (default: by compute capability)")
+    p.add_argument("--gpu-capability", help="e.g. 7.5 for a GTX 1650 (default: this GPU, else 7.5)")
+    p.add_argument("--dropout", type=float, default=0.05, help="LoRA dropout (0 saves its masks)")
+    p.add_argument("--no-double-quant", action="store_true", help="fp32 quantization constants")
+    p.add_argument("--labelled-fraction", type=float, default=1.0,
+                   help="share of tokens with a loss (default 1.0, the worst case)")
+    p.add_argument("--auto-fit", action="store_true", help="also print the fastest micro-batch x accumulation that fits")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("train", help="headless training, the same as notebook 03 (accelerate launch uses this)")
     p.add_argument("--config", help="JSON config file (see `config`); default: this machine's default config")

@@ -79,6 +79,7 @@ class RunConfig:
     runs_dir: str = "runs"
     run_name: str | None = None  # None = timestamp + model + rank
     budget_gib: float | None = None  # emulate a smaller card on a bigger one (CUDA only), context included
+    auto_fit: bool = False  # GPU: pick micro-batch x accumulation and GC that fit budget_gib, same effective batch
     vram_warn_gib: float = 3.9  # flag steps above this in the analysis (4 GB card)
 
     # ------------------------------------------------------------------------------------------

@@ -70,10 +70,12 @@ def memory_snapshot() -> dict:
             torch_allocated_gib=torch.cuda.memory_allocated() / 2**30,
             torch_reserved_gib=torch.cuda.memory_reserved() / 2**30,
             torch_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
+            torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
             device_used_gib=None if used is None else (used - (_NVML_BASELINE or 0.0)) / 2**30,
         )
     else:
-        snap.update(torch_allocated_gib=None, torch_reserved_gib=None, torch_peak_gib=None, device_used_gib=None)
+        snap.update(torch_allocated_gib=None, torch_reserved_gib=None, torch_peak_gib=None, torch_peak_allocated_gib=None,
+                    device_used_gib=None)
     return snap
 
 
@@ -107,6 +109,8 @@ class MetricsCallback(TrainerCallback):
             listener(record)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.touch()  # the run folder always has its metrics file, even when step 1 never finishes
         self._tokens_before = state.num_input_tokens_seen or 0
         _sync()
         self._step_start = time.perf_counter()

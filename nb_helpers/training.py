@@ -158,16 +158,100 @@ def progress_printer(total_steps: int, every: int):
     return show
 
 
-def oom_advice(cfg: RunConfig, step: int | None) -> str:
-    tips = []
+def oom_advice(cfg: RunConfig, step: int | None, shape=None) -> str:
+    """Which knob to turn, and by how much; with the model's shape, each change comes with the planner's peak."""
+    changes = []
     if cfg.micro_batch_size > 1:
-        tips.append(f"micro_batch_size {cfg.micro_batch_size} -> {cfg.micro_batch_size // 2} with grad_accum "
-                    f"{cfg.grad_accum} -> {cfg.grad_accum * 2} (same effective batch)")
+        changes.append((f"micro_batch_size {cfg.micro_batch_size} -> {cfg.micro_batch_size // 2} with grad_accum "
+                        f"{cfg.grad_accum} -> {cfg.grad_accum * 2} (same effective batch)",
+                        dict(micro_batch_size=cfg.micro_batch_size // 2, grad_accum=cfg.grad_accum * 2)))
     if not cfg.gradient_checkpointing:
-        tips.append("gradient_checkpointing=True (activations recomputed instead of stored)")
-    tips.append(f"max_length {cfg.max_length} -> {max(64, cfg.max_length // 2)}")
+        changes.append(("gradient_checkpointing=True (activations recomputed instead of stored)",
+                        dict(gradient_checkpointing=True)))
+    changes.append((f"max_length {cfg.max_length} -> {max(64, cfg.max_length // 2)}",
+                    dict(max_length=max(64, cfg.max_length // 2))))
+    tips = []
+    now = None
+    for text, change in changes:
+        if shape is not None:
+            try:
+                from .planner import plan_for_config
+
+                now = now or plan_for_config(cfg, shape)
+                after = plan_for_config(cfg.replace(**change), shape)
+                text += f" [planner: {now.peak_gib:.2f} -> {after.peak_gib:.2f} GiB]"
+            except Exception:  # noqa: BLE001 - advice without numbers beats no advice
+                pass
+        tips.append(text)
+    fit = " `python -m nb_helpers plan` checks a config before loading anything; auto_fit=True picks one that fits." \
+        if shape is not None else ""
     return (f"CUDA ran out of memory at step {step}. Nothing is lost: metrics.jsonl and the last checkpoint are in "
-            f"the run folder. Try, in this order: " + "; ".join(tips) + ".")
+            f"the run folder, and GPU memory has been freed. Try, in this order: " + "; ".join(tips) + "." + fit)
+
+
+def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int) -> None:
+    """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
+    padded last row as real batches have; the gradients are dropped afterwards."""
+    import torch
+    from trl.trainer.utils import add_fused_lm_head
+
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+    model.train()
+    device = next(p.device for p in model.parameters() if p.requires_grad)
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+    mask = torch.ones_like(ids)
+    if batch > 1:  # real micro-batches are padded, which costs an attention mask: the trial pays it too
+        mask[-1, -min(16, length // 2):] = 0
+    if not getattr(model, "_nb_fused_head", False):
+        add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
+        model._nb_fused_head = True
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True)
+        out.loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True) -> RunConfig:
+    """Choose micro-batch x accumulation and GC for cfg.budget_gib (or the whole GPU), keeping the effective batch;
+    each choice is confirmed by one forward and backward at full length, stepping down on OOM."""
+    import torch
+
+    from .metrics import memory_snapshot
+    from .planner import PlanInput, auto_fit, plan_for_config
+
+    if not torch.cuda.is_available():
+        if verbose:
+            print("[auto-fit] needs a CUDA GPU; keeping micro_batch_size and grad_accum as set")
+        return cfg
+    if shape is None:
+        raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
+                           "and grad_accum by hand instead")
+    budget = cfg.budget_gib or torch.cuda.get_device_properties(0).total_memory / 2**30
+    base = plan_for_config(cfg, shape, context_gib=context_gib).inputs
+    dtype = getattr(torch, base.compute_dtype)
+    vocab_top = min(tokenizer.vocab_size, shape.vocab)
+
+    def trial(option) -> float | None:
+        try:
+            trial_step(model, option.batch, cfg.max_length, option.gradient_checkpointing, dtype, vocab_top)
+            torch.cuda.synchronize()
+            return memory_snapshot()["device_used_gib"]
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
+                      log=print if verbose else (lambda *_: None))
+    if not choice.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    torch.cuda.reset_peak_memory_stats()
+    return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
+                       gradient_checkpointing=choice.gradient_checkpointing)
 
 
 class LastGoodAdapter:
@@ -273,7 +357,27 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     elif cfg.budget_gib:
         print("[budget] budget_gib is ignored on the CPU (no device memory to cap)")
 
-    model = attach_lora(load_4bit(cfg, choice), cfg)
+    shape, prediction = None, None
+    try:
+        from .planner import load_shape, plan_for_config
+
+        shape = load_shape(choice.path)
+        prediction = plan_for_config(cfg, shape, context_gib=extra.get("cuda_context_gib"))
+        if verbose:
+            where = "" if cuda else "no GPU here; for a GTX 1650-class card (compute capability 7.5): "
+            print(f"[plan] {where}{prediction.verdict()}, in {prediction.peak_phase}; "
+                  "`python -m nb_helpers plan` shows the breakdown")
+    except Exception as e:  # noqa: BLE001 - a non-Llama model the planner cannot read still trains
+        if verbose:
+            print(f"[plan] no prediction for this model ({e})")
+
+    model = attach_lora(load_4bit(cfg, choice), cfg.replace(gradient_checkpointing=True) if cfg.auto_fit else cfg)
+    if cfg.auto_fit and resume_from is None:
+        cfg = run_auto_fit(cfg, model, tokenizer, shape, extra.get("cuda_context_gib"), verbose)
+        prediction = plan_for_config(cfg, shape, context_gib=extra.get("cuda_context_gib"))
+    if prediction is not None:
+        extra.update(predicted_peak_gib=prediction.peak_gib, predicted_phase=prediction.peak_phase,
+                     predicted_components_gib={k: v / 2**30 for k, v in prediction.components.items()})
     trainable, total = parameter_counts(model)
     if verbose:
         print(f"[lora] {cfg.summary_line()}")
@@ -313,6 +417,7 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     if eval_rows and checkpoint is None:
         extra["eval_loss_before"] = trainer.evaluate()["eval_loss"]
 
+    oom_step = None
     try:
         trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     except KeyboardInterrupt:
@@ -324,19 +429,25 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
         print(f"[run] interrupted at step {trainer.state.global_step}: adapter saved as it is now; "
               f"resume with `python -m nb_helpers train --resume {run_dir}`")
     except torch.OutOfMemoryError:
-        step = trainer.state.global_step
-        metrics_cb.close()
-        del trainer
-        gc.collect()
-        torch.cuda.empty_cache()
-        write_json(run_dir / "summary.json", summarize(run_dir, choice.name, {**extra, "status": "oom"}))
-        raise RuntimeError(oom_advice(cfg, step)) from None
+        oom_step = trainer.state.global_step
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         metrics_cb.close()
         write_json(run_dir / "summary.json", summarize(run_dir, choice.name, {**extra, "status": "save failed"}))
         raise RuntimeError(disk_advice(run_dir, e, "a checkpoint")) from e
+    if oom_step is not None:
+        # Outside the except block, so the OOM's traceback (which holds the activations) is already gone; the
+        # notebook kernel keeps running with the memory handed back.
+        metrics_cb.close()
+        trainer.model = trainer.model_wrapped = trainer.optimizer = None
+        del trainer, model
+        guard.model = guard.state = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        write_json(run_dir / "summary.json", summarize(run_dir, choice.name, {**extra, "status": "oom"}))
+        raise RuntimeError(oom_advice(cfg, oom_step, shape))
 
     if metrics_cb.non_finite_step is not None:
         restored = guard.restore()

@@ -1,0 +1,457 @@
+"""Will it fit? Peak GPU memory of a QLoRA run, predicted from config.json and the settings, before anything loads.
+
+The prediction is what `nvidia-smi` would show at the worst moment of training (NVML "used" for this process):
+
+    peak = CUDA context + runtime overhead + paged optimizer state + PyTorch reserved memory
+    PyTorch reserved = peak allocated + allocator overhead (cached, fragmented blocks)
+
+Every allocated byte below is traced to the code that allocates it in the stack this project pins (torch 2.11-2.13,
+transformers 5.17, peft 0.21, trl 1.16, bitsandbytes 0.50), for a Llama-family decoder. Symbols: h hidden size,
+i MLP size, L layers, V vocabulary, nh/nkv query/key-value heads of size hd, r LoRA rank, T = micro-batch x seq
+tokens per forward pass, N tokens that carry a label (worst case: all of them, T).
+
+Weights (static)
+  * NF4 linear weights (bitsandbytes Params4bit): 0.5 byte per weight, packed two per byte.
+  * Quantization constants, one absmax per 64-weight block: fp32 (4/64 byte per weight); with double quant the
+    absmax is itself 8-bit (1/64) plus one fp32 per 256 absmax (4/16384).
+  * Embeddings, untied LM head, norms: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to
+    fp32, so 4 bytes each (twice the 16-bit checkpoint).
+  * LoRA A (r x in) and B (out x r) per target layer: TRL 1.16 casts them to bf16 for quantized models (2 bytes);
+    nb_helpers keeps them fp32 (4 bytes) when training in fp16/fp32 (see training.build_trainer).
+  * Their gradients, same dtype, alive across micro-batches when grad_accum > 1. With accumulation 1 the peak
+    comes early in the backward pass, before the adapter gradients exist (zero_grad sets them to None).
+  * Optimizer state: bitsandbytes 8-bit AdamW keeps two uint8 moments plus an fp32 absmax per 256 values
+    (2 + 8/256 bytes per parameter); tensors under 4096 values keep fp32 moments (8 bytes). The paged variants
+    allocate it as CUDA managed memory, outside PyTorch's allocator (but inside nvidia-smi's number). torch AdamW:
+    two moments in the parameter's dtype.
+
+Activations, per token of one decoder layer, as saved for backward (bench/saved_tensors.py counts them with
+saved-tensor hooks in a real training step; on the CPU the count matches this formula to the byte)
+  * RMSNorm (fused rms_norm): its fp32 input (the residual stream is fp32 because the embedding is) and one fp32
+    rstd per token, twice per layer: 2 * (4h + 4).
+  * Attention (SDPA under bf16 autocast): q, k, v and the output in bf16, plus fp32 log-sum-exp per head:
+    4*nh*hd + 4*nkv*hd + 4*nh without padding (flash kernel, native GQA). A padded micro-batch carries a mask, so
+    transformers repeats k and v to all heads first (repeat_kv) and SDPA uses the memory-efficient kernel:
+    8*nh*hd + 4*nh, plus one bool (b, 1, s, s) mask shared by all layers, which SDPA turns into an additive
+    (b, 1, s, s) bias in the compute dtype that each layer keeps: 2*s more per token.
+  * MLP: bitsandbytes returns fp32 for fp32 inputs, so gate and up outputs are fp32; SiLU saves its input and the
+    product saves both factors: 3 * 4i.
+  * LoRA, per target layer: dropout's output in the compute dtype (2 bytes per input feature; autocast's input to
+    lora_A), its bool mask (1 byte, none when dropout is 0), and lora_A's output (2r), which lora_B saves.
+    MatMul4Bit saves no input (it never computes a weight gradient), so frozen layers add nothing.
+  * With gradient checkpointing only each layer's fp32 input is kept (4h per token per layer); one layer's full
+    activations are rebuilt during its backward pass.
+Loss and LM head (TRL 1.16's fused, chunked log-prob kernel, `trl.kernels.chunked_logprob`)
+  * It never builds the (T, V) logits: it saves the fp32 final hidden states of the labelled tokens (4h*N) and
+    projects them in tiles of up to 4096 tokens x 32768 vocabulary entries (compute dtype), with the tile's slice of
+    the fp32 head cast to the compute dtype. Backward adds an fp32 gradient of the hidden states.
+  * The final norm keeps its fp32 input (4h*T).
+Loading
+  * prepare_model_for_kbit_training casts the embedding and head to fp32 one tensor at a time, so for a moment the
+    largest exists twice (16-bit and fp32): 2*V*h more. With a big tied vocabulary (Llama-3.2-3B) and short
+    sequences, that moment is the peak of the whole run.
+Transients at the peak
+  * The backward of the MLP of the layer being processed: the fp32 gradients of the two factors of gate*up
+    (2 * 4i per token: what the GPU grid shows; counting the product's own gradient too, 3 * 4i, overshot every
+    point by a third of that term),
+    two fp32 residual-stream gradients (2 * 4h) and one dequantized 16-bit weight (bitsandbytes dequantizes, then
+    matmuls: 2*h*i bytes for the largest layer).
+
+Fixed costs: the CUDA context, and torch's cuBLAS workspace (32 MiB on Hopper, 8.125 MiB before) for each of the
+two threads that run matmuls (forward, autograd).
+
+Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/planner_validation.json)
+  * Runtime overhead outside PyTorch's allocator once training runs (kernels loaded lazily by torch,
+    bitsandbytes and Triton, the paged optimizer's bookkeeping): RUNTIME_OVERHEAD_GIB.
+  * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other
+    sizes stay cached. It grows with the activations, and gradient checkpointing, which frees and re-allocates a
+    layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _NO_GC of the peak activations.
+  * CUDA context: measured on this GPU when there is one (memory.measure_context_bytes), else
+    CONSUMER_CONTEXT_GIB, the usual size on consumer cards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GIB = 2**30
+CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
+RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H200 measurement, planner grid
+ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on
+ALLOCATOR_OVERHEAD_NO_GC = 0.05  # the same without checkpointing
+LOGPROB_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
+LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
+BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
+BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on Hopper and newer, else
+# 4096 KiB x 2 + 16 KiB x 8. The forward (main thread) and the autograd thread each hold one handle.
+CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class Shape:
+    """The numbers of a Llama-family config.json that memory depends on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    max_positions: int | None = None
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> "Shape":
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else \
+            (lambda k, d=None: getattr(config, k, d))
+        heads = get("num_attention_heads")
+        return cls(hidden=get("hidden_size"), intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
+                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                   head_dim=get("head_dim") or get("hidden_size") // heads, vocab=get("vocab_size"),
+                   tied=bool(get("tie_word_embeddings", False)), max_positions=get("max_position_embeddings"),
+                   name=name)
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer type in one decoder layer."""
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2)
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.layers + 1) * self.hidden
+
+
+def load_shape(model: str) -> Shape:
+    """Read config.json only: a local folder, a path to the file, or a hub id (downloads config.json, ~1 KB)."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return Shape.from_config(json.loads(path.read_text()),
+                                 name=path.parent.name if path.name == "config.json" else path.stem)
+    if (path / "config.json").exists():
+        return Shape.from_config(json.loads((path / "config.json").read_text()), name=path.name)
+    from transformers import AutoConfig
+
+    return Shape.from_config(AutoConfig.from_pretrained(model), name=model)
+
+
+@dataclass
+class PlanInput:
+    seq: int = 512  # tokens per sequence (max_length)
+    batch: int = 1  # micro-batch: sequences per forward pass
+    accum: int = 8
+    rank: int = 8
+    targets: tuple[str, ...] = QKVO
+    gradient_checkpointing: bool = True
+    optim: str = "paged_adamw_8bit"
+    compute_dtype: str = "bfloat16"
+    double_quant: bool = True
+    lora_dropout: float = 0.05
+    padded: bool | None = None  # None: assume padding whenever batch > 1 (real data has uneven lengths)
+    labelled_fraction: float = 1.0  # share of tokens with a label; 1.0 is the worst case (text, long answers)
+    loss: str = "trl-fused"  # TRL 1.16's chunked log-prob loss, the only one SFTTrainer uses for these models
+    context_gib: float = CONSUMER_CONTEXT_GIB
+    gpu_capability: tuple[int, int] = (7, 5)  # compute capability: sizes the cuBLAS workspaces (GTX 1650: 7.5)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass
+class Plan:
+    inputs: PlanInput
+    shape: Shape
+    components: dict[str, float]  # bytes
+    peak_phase: str
+    budget_gib: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_gib is None else self.peak_gib <= self.budget_gib
+
+    def verdict(self) -> str:
+        line = f"predicted peak: {self.peak_gib:.2f} GiB"
+        if self.budget_gib is not None:
+            line += f" (budget {self.budget_gib:.2f} GiB: {'fits' if self.fits else 'does not fit'})"
+        return line
+
+    def table(self) -> str:
+        total = f"total (peak in {self.peak_phase})"
+        width = max([len(k) for k in COMPONENT_LABELS.values()] + [len(total)]) + 2
+        rows = [f"{'component':<{width}}{'GiB':>8}"]
+        for key, value in self.components.items():
+            rows.append(f"{COMPONENT_LABELS[key]:<{width}}{value / GIB:>8.3f}")
+        rows.append(f"{'':<{width}}{'-' * 8}")
+        rows.append(f"{total:<{width}}{self.peak_gib:>8.3f}")
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict:
+        return {"inputs": asdict(self.inputs), "shape": asdict(self.shape), "peak_phase": self.peak_phase,
+                "components_gib": {k: v / GIB for k, v in self.components.items()}, "peak_gib": self.peak_gib,
+                "budget_gib": self.budget_gib, "fits": self.fits, "notes": self.notes}
+
+
+COMPONENT_LABELS = {
+    "context": "CUDA context",
+    "runtime": "runtime overhead (kernels)",
+    "weights_4bit": "4-bit linear weights",
+    "quant_constants": "quantization constants",
+    "embeddings_head": "embeddings + head (fp32)",
+    "norms": "norms (fp32)",
+    "cublas": "cuBLAS workspaces",
+    "lora_weights": "LoRA weights",
+    "lora_grads": "LoRA gradients",
+    "optimizer_paged": "optimizer state (paged)",
+    "optimizer": "optimizer state",
+    "upcast": "fp32 upcast while loading",
+    "activations_kept": "activations kept across layers",
+    "layer_recompute": "one layer's activations",
+    "logits_loss": "LM head + loss (fused)",
+    "backward_transient": "backward temporaries",
+    "allocator": "allocator overhead",
+}
+
+
+def lora_tensors(shape: Shape, inp: PlanInput) -> list[int]:
+    """Sizes of every LoRA tensor (A and B of each target in each layer)."""
+    dims = shape.linear_dims()
+    sizes = []
+    for target in inp.targets:
+        d_in, d_out = dims[target]
+        sizes += [inp.rank * d_in, d_out * inp.rank]
+    return sizes * shape.layers
+
+
+def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int) -> float:
+    if optim in ("paged_adamw_8bit", "adamw_8bit"):
+        return float(sum(2 * n + 8 * math.ceil(n / BNB_BLOCK) if n >= BNB_8BIT_MIN_SIZE else 8 * n for n in sizes))
+    if optim == "paged_adamw_32bit":
+        return 8.0 * sum(sizes)
+    if optim == "sgd":
+        return 0.0
+    return 2.0 * param_bytes * sum(sizes)  # torch AdamW: exp_avg and exp_avg_sq like the parameter
+
+
+def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool) -> float:
+    """Bytes one decoder layer saves for backward, per token (GC off), bf16/fp16 autocast."""
+    h, i, nh, nkv, hd = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
+    norms = 2 * (4 * h + 4)
+    attention = (8 * nh * hd if padded else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
+    if padded:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
+        attention += 2 * inp.seq
+    mlp = 3 * 4 * i
+    dims = shape.linear_dims()
+    mask = 1 if inp.lora_dropout > 0 else 0
+    lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in inp.targets)
+    return norms + attention + mlp + lora
+
+
+def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
+    if inp.loss != "trl-fused":
+        raise ValueError(f"loss={inp.loss!r}: only 'trl-fused' (TRL 1.16's chunked log-prob loss) is modelled")
+    unknown = [t for t in inp.targets if t not in shape.linear_dims()]
+    if unknown:
+        raise ValueError(f"targets {unknown} are not linear layers of a Llama-family model; use some of "
+                         f"{', '.join(ALL_LINEAR)} or all-linear")
+    h, i, L, T = shape.hidden, shape.intermediate, shape.layers, inp.tokens
+    N = max(1, round(inp.batch * (inp.seq - 1) * inp.labelled_fraction))
+    padded = inp.batch > 1 if inp.padded is None else inp.padded
+    adapter_bytes = DTYPE_BYTES["bfloat16"] if inp.compute_dtype == "bfloat16" else 4
+    compute = 2 if inp.compute_dtype in ("bfloat16", "float16") else 4
+
+    c: dict[str, float] = {}
+    c["context"] = inp.context_gib * GIB
+    c["runtime"] = RUNTIME_OVERHEAD_GIB * GIB
+    linear = shape.linear_params
+    c["weights_4bit"] = linear / 2
+    c["quant_constants"] = linear / 64 + 4 * linear / (64 * 256) if inp.double_quant else 4 * linear / 64
+    c["embeddings_head"] = 4.0 * shape.embedding_params
+    c["norms"] = 4.0 * shape.norm_params
+    per_handle = CUBLAS_WORKSPACE_MIB["hopper" if tuple(inp.gpu_capability) >= (9, 0) else "older"]
+    c["cublas"] = 2 * per_handle * 2**20
+    sizes = lora_tensors(shape, inp)
+    c["lora_weights"] = float(adapter_bytes * sum(sizes))
+    c["lora_grads"] = float(adapter_bytes * sum(sizes)) if inp.accum > 1 else 0.0
+    state = optimizer_bytes(sizes, inp.optim, adapter_bytes)
+    paged = inp.optim.startswith("paged_")
+    c["optimizer_paged"] = state if paged else 0.0
+    c["optimizer"] = 0.0 if paged else state
+
+    per_layer = layer_activation_bytes_per_token(shape, inp, padded)
+    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if padded else 0)  # cos/sin, mask
+    kept_per_layer = 4 * h if inp.gradient_checkpointing else per_layer
+    kept = L * kept_per_layer * T + shared + 4 * h * T  # + the final norm's input
+    head_saved = 4 * h * N
+    tile_tokens = min(N, LOGPROB_TOKEN_TILE)
+    head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute \
+        + min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
+    # The phases where the peak can fall; the largest wins.
+    zero = {"activations_kept": 0.0, "layer_recompute": 0.0, "logits_loss": 0.0, "backward_transient": 0.0,
+            "upcast": 0.0}
+    phases = {
+        # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
+        # moment the largest exists in both dtypes. With a big tied vocabulary and short sequences this is the peak.
+        "loading (fp32 upcast)": {**zero, "upcast": 2.0 * shape.vocab * h},
+        "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * T + 8 * 4 * N},
+        "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * N,
+                              "backward_transient": 4 * h * T},
+        "the last layer's backward": {
+            **zero, "activations_kept": kept,
+            "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
+            "backward_transient": 2 * 4 * i * T + 2 * 4 * h * T + 2 * max(a * b for a, b in shape.linear_dims().values())},
+    }
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    c.update({k: float(v) for k, v in phases[phase].items()})
+    dynamic = sum(phases[phase].values())
+    c["allocator"] = dynamic * (ALLOCATOR_OVERHEAD_GC if inp.gradient_checkpointing else ALLOCATOR_OVERHEAD_NO_GC)
+    order = list(COMPONENT_LABELS)
+    result = Plan(inp, shape, {k: c[k] for k in order}, phase, budget_gib)
+    if shape.max_positions and inp.seq > shape.max_positions:
+        result.notes.append(f"seq {inp.seq} is above the model's {shape.max_positions} positions")
+    if inp.compute_dtype == "float32":
+        result.notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
+    return result
+
+
+# --- auto-fit ------------------------------------------------------------------------------------------------
+# Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x4/3 with checkpointing, which
+# recomputes the forward pass). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps
+# an H200 about 5% busy), so fewer, larger micro-batches win first; checkpointing is dropped when it still fits.
+OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuristic; the trial run confirms fit)
+GC_COMPUTE_FACTOR = 4 / 3
+FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
+
+
+@dataclass
+class Candidate:
+    batch: int
+    accum: int
+    gradient_checkpointing: bool
+    predicted_gib: float
+    relative_step_cost: float
+
+    def describe(self) -> str:
+        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing "
+                f"{'on' if self.gradient_checkpointing else 'off'} (predicted {self.predicted_gib:.2f} GiB)")
+
+
+def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
+               margin: float = FIT_MARGIN) -> list[Candidate]:
+    """Every micro-batch x accumulation with the same effective batch, GC on and off, predicted to fit the
+    budget (less the margin), best expected throughput first."""
+    out = []
+    for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
+        for gc in (False, True):
+            inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
+                               "gradient_checkpointing": gc})
+            predicted = plan(shape, inp).peak_gib
+            if predicted > budget_gib * (1 - margin):
+                continue
+            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * (GC_COMPUTE_FACTOR if gc else 1.0))
+            out.append(Candidate(batch, inp.accum, gc, predicted, cost))
+    return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
+
+
+def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
+             margin: float = FIT_MARGIN) -> Candidate:
+    """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch.
+
+    `trial(candidate)` runs one forward and backward at full length and returns the peak GiB it measured, or
+    raises torch.OutOfMemoryError (any exception named *OutOfMemoryError); then the next candidate is tried and
+    the step down is reported. Without a trial the prediction alone decides."""
+    options = candidates(shape, base, effective_batch, budget_gib, margin)
+    if not options:
+        smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
+                                            "gradient_checkpointing": True}))
+        raise MemoryError(f"nothing fits {budget_gib:.2f} GiB: even micro-batch 1 with gradient checkpointing is "
+                          f"predicted at {smallest.peak_gib:.2f} GiB ({smallest.peak_phase}). Lower max_length "
+                          f"(now {base.seq}), the LoRA rank or targets, or pick a smaller model")
+    for number, option in enumerate(options):
+        if trial is None:
+            log(f"[auto-fit] chose {option.describe()} for effective batch {effective_batch} in {budget_gib:.2f} GiB")
+            return option
+        try:
+            measured = trial(option)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory errors step down
+            if "OutOfMemoryError" not in type(e).__name__:
+                raise
+            following = options[number + 1].describe() if number + 1 < len(options) else "nothing left"
+            log(f"[auto-fit] {option.describe()} ran out of memory in the trial step; stepping down to {following}")
+            continue
+        if measured is not None and measured > budget_gib:
+            log(f"[auto-fit] {option.describe()} measured {measured:.2f} GiB in the trial step, over the budget; "
+                "stepping down")
+            continue
+        log(f"[auto-fit] chose {option.describe()}" + (f", trial step measured {measured:.2f} GiB" if measured else "")
+            + f"; effective batch stays {effective_batch}")
+        return option
+    raise MemoryError(f"every candidate ran out of memory in its trial step within {budget_gib:.2f} GiB; lower "
+                      f"max_length (now {base.seq}) or the LoRA rank")
+
+
+def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
+                    gpu_capability: tuple[int, int] | None = None) -> Plan:
+    """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names."""
+    from .environment import cuda_capability, resolve_compute_dtype
+
+    if shape is None:
+        from .models import resolve_model
+
+        shape = load_shape(resolve_model(cfg, verbose=False).path)
+    capability = gpu_capability or cuda_capability() or (7, 5)
+    targets = ALL_LINEAR if list(cfg.target_modules) == ["all-linear"] else tuple(cfg.target_modules)
+    dtype = resolve_compute_dtype(cfg.compute_dtype)
+    if capability < (8, 0) and dtype == "bfloat16":
+        dtype = "float16"
+    inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
+                    targets=targets, gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim,
+                    compute_dtype=dtype, double_quant=cfg.double_quant, lora_dropout=cfg.lora_dropout,
+                    context_gib=default_context_gib() if context_gib is None else context_gib,
+                    gpu_capability=capability)
+    return plan(shape, inp, budget_gib=cfg.budget_gib)
+
+
+_CONTEXT_CACHE: dict[int, float] = {}
+
+
+def default_context_gib(device: int = 0) -> float:
+    """The CUDA context of this GPU (measured once, in a throwaway process), else the consumer-card value."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return CONSUMER_CONTEXT_GIB
+        if device not in _CONTEXT_CACHE:
+            from .memory import measure_context_bytes
+
+            _CONTEXT_CACHE[device] = measure_context_bytes(device) / GIB
+        return _CONTEXT_CACHE[device]
+    except Exception:  # noqa: BLE001 - a planner must answer even where NVML is missing
+        return CONSUMER_CONTEXT_GIB

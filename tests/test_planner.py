@@ -1,0 +1,265 @@
+"""The VRAM planner: components against hand-computed bytes, `plan` exit codes, auto-fit's choice logic."""
+
+import json
+
+import pytest
+
+from nb_helpers import planner
+from nb_helpers.planner import ALL_LINEAR, GIB, QKVO, PlanInput, Shape, auto_fit, candidates, plan
+
+# A small Llama: h=64, i=128, 2 layers, 4 heads of 16, 2 KV heads, vocab 1000, untied.
+SMALL = Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=1000, tied=False)
+TINYLLAMA = Shape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, head_dim=64, vocab=32000,
+                  tied=False, max_positions=2048)
+
+
+def small_input(**changes):
+    base = dict(seq=32, batch=1, accum=2, rank=4, targets=QKVO, gradient_checkpointing=True, context_gib=0.25,
+                gpu_capability=(8, 6))
+    return PlanInput(**{**base, **changes})
+
+
+def test_static_components_match_hand_computed_bytes():
+    p = plan(SMALL, small_input())
+    c = p.components
+    # q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128, down 128x64 -> 36864 weights per layer, 2 layers
+    linear = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)
+    assert linear == SMALL.linear_params == 73728
+    assert c["weights_4bit"] == linear / 2
+    assert c["quant_constants"] == pytest.approx(linear / 64 + 4 * linear / 16384)
+    assert c["embeddings_head"] == 4 * 2 * 1000 * 64  # fp32 after prepare_model_for_kbit_training, untied
+    assert c["norms"] == 4 * (2 * 2 + 1) * 64
+    # LoRA r=4 on q,k,v,o: A is r x in, B is out x r
+    lora = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4 + 4 * 64 + 32 * 4 + 4 * 64 + 64 * 4)
+    assert c["lora_weights"] == 2 * lora  # bf16 (TRL casts them)
+    assert c["lora_grads"] == 2 * lora  # accumulation 2 keeps them between micro-batches
+    # every LoRA tensor here is under 4096 values: bitsandbytes keeps fp32 moments (8 bytes per value)
+    assert c["optimizer_paged"] == 8 * lora and c["optimizer"] == 0
+    assert c["context"] == 0.25 * GIB
+    assert c["cublas"] == 2 * 8.125 * 2**20  # compute capability 8.6: two pre-Hopper workspaces
+
+
+def test_activation_components_match_hand_computed_bytes():
+    inp = small_input()
+    per_token = planner.layer_activation_bytes_per_token(SMALL, inp, padded=False)
+    norms = 2 * (4 * 64 + 4)
+    attention = 4 * 4 * 16 + 4 * 2 * 16 + 4 * 4  # q,out bf16 + k,v bf16 + lse
+    mlp = 12 * 128
+    lora = 3 * 64 * 4 + 4 * 2 * 4  # dropout output (2) + mask (1) per input feature, + 2r for lora_A's output
+    assert per_token == norms + attention + mlp + lora
+    padded = planner.layer_activation_bytes_per_token(SMALL, inp, padded=True)
+    assert padded - per_token == (8 * 64 - 4 * 64 - 4 * 32) + 2 * 32  # k, v repeated to all heads + mask bias
+    no_dropout = planner.layer_activation_bytes_per_token(SMALL, small_input(lora_dropout=0.0), padded=False)
+    assert per_token - no_dropout == 4 * 64  # one bool mask per target input feature
+
+    c = plan(SMALL, inp).components
+    T = 32
+    kept = 2 * 4 * 64 * T + 2 * T * 16 * 4 + 4 * 64 * T  # fp32 layer inputs + cos/sin + final norm input
+    assert c["activations_kept"] == kept
+    no_gc = plan(SMALL, small_input(gradient_checkpointing=False)).components
+    assert no_gc["activations_kept"] == 2 * per_token * T + 2 * T * 16 * 4 + 4 * 64 * T
+    assert no_gc["layer_recompute"] == 0
+
+
+def test_more_tokens_rank_and_targets_cost_more_and_gc_saves():
+    base = plan(TINYLLAMA, PlanInput(seq=512, batch=1)).peak_gib
+    assert plan(TINYLLAMA, PlanInput(seq=2048, batch=1)).peak_gib > base
+    assert plan(TINYLLAMA, PlanInput(seq=512, batch=8)).peak_gib > base
+    assert plan(TINYLLAMA, PlanInput(seq=512, rank=64, targets=ALL_LINEAR)).peak_gib > base
+    assert plan(TINYLLAMA, PlanInput(seq=2048, gradient_checkpointing=False)).peak_gib > \
+        plan(TINYLLAMA, PlanInput(seq=2048)).peak_gib + 3
+    assert plan(TINYLLAMA, PlanInput(double_quant=False)).components["quant_constants"] > \
+        3 * plan(TINYLLAMA, PlanInput()).components["quant_constants"]
+
+
+def test_reference_recipe_fits_4gib_and_long_no_gc_does_not():
+    assert plan(TINYLLAMA, PlanInput(), budget_gib=4.0).fits
+    result = plan(TINYLLAMA, PlanInput(seq=2048, gradient_checkpointing=False), budget_gib=4.0)
+    assert result.fits is False
+    assert result.verdict().startswith(f"predicted peak: {result.peak_gib:.2f} GiB (budget 4.00 GiB: does not fit")
+
+
+def test_unknown_target_and_loss_are_refused():
+    with pytest.raises(ValueError, match="lm_head"):
+        plan(SMALL, small_input(targets=("lm_head",)))
+    with pytest.raises(ValueError, match="trl-fused"):
+        plan(SMALL, small_input(loss="naive"))
+
+
+def test_shape_reads_config_json(tmp_path):
+    config = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+              "num_key_value_heads": 4, "vocab_size": 32000, "tie_word_embeddings": False,
+              "max_position_embeddings": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = planner.load_shape(str(tmp_path))
+    assert shape.linear_params == TINYLLAMA.linear_params and shape.head_dim == 64 and not shape.tied
+    # the 4-bit part agrees with the older preflight estimate
+    from nb_helpers.preflight import four_bit_weight_bytes
+    from transformers import LlamaConfig
+
+    c = plan(shape, PlanInput()).components
+    ours = c["weights_4bit"] + c["quant_constants"] + (c["embeddings_head"] + c["norms"]) / 2
+    assert ours == pytest.approx(four_bit_weight_bytes(LlamaConfig(**config)), rel=0.01)
+
+
+# --- plan CLI --------------------------------------------------------------------------------------------------
+def run_plan(capsys, *args):
+    from nb_helpers.cli import main
+
+    code = main(["plan", *args])
+    return code, capsys.readouterr().out
+
+
+def test_plan_cli_exit_codes_and_last_line(tmp_path, capsys, tiny_model_dir):
+    code, out = run_plan(capsys, "--model", str(tiny_model_dir), "--seq", "128", "--batch", "2", "--budget", "4",
+                         "--context-gib", "0.3")
+    assert code == 0
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("predicted peak: ") and last.endswith("(budget 4.00 GiB: fits)")
+    assert "activations kept across layers" in out and "LM head + loss (fused)" in out
+
+    code, out = run_plan(capsys, "--model", str(tiny_model_dir), "--seq", "128", "--budget", "0.2",
+                         "--context-gib", "0.3")
+    assert code == 3 and out.strip().endswith("does not fit)")
+
+
+def test_plan_cli_prints_auto_fit_and_json(capsys, tiny_model_dir):
+    code, out = run_plan(capsys, "--model", str(tiny_model_dir), "--seq", "64", "--context-gib", "0.3",
+                         "--auto-fit")
+    assert code == 0 and "auto-fit for effective batch 8: micro-batch 8 x accumulation 1" in out
+    code, out = run_plan(capsys, "--model", str(tiny_model_dir), "--json", "--no-gc", "--targets", "all-linear")
+    data = json.loads(out)
+    assert data["inputs"]["gradient_checkpointing"] is False and len(data["inputs"]["targets"]) == 7
+    assert data["peak_gib"] == pytest.approx(sum(data["components_gib"].values()))
+
+
+def test_plan_cli_bad_input_is_one_clear_line(capsys, tmp_path):
+    from nb_helpers.cli import main
+
+    assert main(["plan", "--model", str(tmp_path / "missing"), "--budget", "4"]) == 2
+    assert "cannot read its config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 100}))
+    assert main(["plan", "--model", str(tmp_path), "--targets", "qproj"]) == 2
+    assert "not linear layers" in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path), "--rank", "0"]) == 2
+    assert "--rank 0" in capsys.readouterr().err
+
+
+# --- auto-fit ------------------------------------------------------------------------------------------------
+def test_candidates_keep_the_effective_batch_and_prefer_fewer_micro_steps():
+    options = candidates(TINYLLAMA, PlanInput(seq=512), effective_batch=8, budget_gib=4.0)
+    assert options and all(o.batch * o.accum == 8 for o in options)
+    assert all(o.predicted_gib <= 4.0 * (1 - planner.FIT_MARGIN) for o in options)
+    costs = [o.relative_step_cost for o in options]
+    assert costs == sorted(costs)
+    assert options[0].accum <= options[-1].accum
+
+
+def test_auto_fit_steps_down_on_oom_and_says_so():
+    class FakeOutOfMemoryError(RuntimeError):
+        pass
+
+    tried, said = [], []
+
+    def trial(option):
+        tried.append((option.batch, option.gradient_checkpointing))
+        if option.batch > 2:
+            raise FakeOutOfMemoryError("CUDA out of memory (injected)")
+        return 3.1
+
+    choice = auto_fit(TINYLLAMA, PlanInput(seq=512), 8, 4.0, trial=trial, log=said.append)
+    assert choice.batch <= 2 and choice.batch * choice.accum == 8
+    assert tried[0][0] > 2 and len(tried) >= 2
+    assert any("ran out of memory in the trial step; stepping down" in line for line in said)
+    assert said[-1].startswith("[auto-fit] chose") and "effective batch stays 8" in said[-1]
+
+
+def test_auto_fit_steps_down_when_the_trial_measures_over_budget():
+    measured = {True: 3.5, False: 4.4}  # without GC the trial measures more than the budget
+    choice = auto_fit(TINYLLAMA, PlanInput(seq=512), 8, 4.0, trial=lambda o: measured[o.gradient_checkpointing],
+                      log=lambda *_: None)
+    assert choice.gradient_checkpointing
+
+
+def test_auto_fit_reraises_other_errors_and_explains_nothing_fits():
+    def broken(option):
+        raise ValueError("not an OOM")
+
+    with pytest.raises(ValueError):
+        auto_fit(TINYLLAMA, PlanInput(seq=512), 8, 4.0, trial=broken, log=lambda *_: None)
+    with pytest.raises(MemoryError, match="nothing fits 1.00 GiB"):
+        auto_fit(TINYLLAMA, PlanInput(seq=512), 8, 1.0, log=lambda *_: None)
+
+
+def test_trial_step_runs_the_fused_loss_and_leaves_no_gradients(tiny_cfg):
+    import torch
+
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.training import attach_lora, trial_step
+
+    model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
+    for checkpointing in (True, False):
+        trial_step(model, 2, 64, checkpointing, torch.bfloat16, vocab=200)
+        assert all(p.grad is None for p in model.parameters())
+    assert model._nb_fused_head
+
+
+def test_plan_for_config_follows_the_run_config(tiny_cfg):
+    from nb_helpers.planner import load_shape, plan_for_config
+
+    shape = load_shape(tiny_cfg.model)
+    a = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
+    assert a.inputs.batch == tiny_cfg.micro_batch_size and a.inputs.seq == tiny_cfg.max_length
+    b = plan_for_config(tiny_cfg.replace(lora_r=64, target_modules=["all-linear"]), shape, context_gib=0.3,
+                        gpu_capability=(8, 6))
+    assert b.components["lora_weights"] > a.components["lora_weights"]
+    turing = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(7, 5))
+    assert turing.inputs.compute_dtype == "float16"  # no bf16 on Turing: fp32 adapters
+    assert turing.components["lora_weights"] == 2 * a.components["lora_weights"]
+
+
+# --- on the GPU ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_oom_guard_frees_the_gpu_and_names_the_knob(tiny_cfg):
+    """A real CUDA OOM (a 0.25 GiB allocator cap, 64 x 512-token sequences without GC) stops the run cleanly:
+    advice with the planner's numbers, status oom, metrics kept, and the memory handed back to the process."""
+    import torch
+
+    from nb_helpers.training import train
+
+    cfg = tiny_cfg.replace(micro_batch_size=64, max_length=512, gradient_checkpointing=False, max_train_samples=64,
+                           task_eval_samples=0, eval_file=None)
+    from nb_helpers import metrics
+    from nb_helpers.memory import measure_context_bytes
+
+    context = measure_context_bytes() / 2**30
+    try:
+        with pytest.raises(RuntimeError) as err:
+            train(cfg.replace(budget_gib=round(context + 0.25, 2)), verbose=False)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    message = str(err.value)
+    assert "ran out of memory" in message and "micro_batch_size 64 -> 32" in message and "[planner:" in message
+    assert torch.cuda.memory_allocated() < 64 * 2**20  # the model, activations and optimizer are gone
+    run_dir = sorted(cfg.resolve_path(cfg.runs_dir).glob("2*"))[-1]
+    import json as _json
+
+    assert _json.loads((run_dir / "summary.json").read_text())["status"] == "oom"
+    assert (run_dir / "metrics.jsonl").exists() and metrics is not None
+
+
+@pytest.mark.gpu
+def test_auto_fit_keeps_the_effective_batch_on_gpu(tiny_cfg, capsys):
+    import json as _json
+
+    from nb_helpers.training import train
+
+    run_dir = train(tiny_cfg.replace(micro_batch_size=1, grad_accum=8, auto_fit=True, budget_gib=4.0, max_steps=2,
+                                     task_eval_samples=0))
+    chosen = _json.loads((run_dir / "config.json").read_text())
+    assert chosen["micro_batch_size"] * chosen["grad_accum"] == 8 and chosen["micro_batch_size"] > 1
+    assert "[auto-fit] chose micro-batch" in capsys.readouterr().out
+    summary = _json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["predicted_peak_gib"] < 4.0
