@@ -50,3 +50,63 @@ def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
     if len(losses) >= 6 and median(losses[-3:]) > median(losses[:3]):
         flags.append("train loss went up from the first steps to the last: lower learning_rate (try half).")
     return flags
+
+
+# Components that live outside PyTorch's caching allocator: what the planner predicts for max_memory_reserved is
+# the total without them (bench/planner_report.py compares the same way).
+OUTSIDE_ALLOCATOR = ("context", "runtime", "optimizer_paged")
+
+
+def relative_error(predicted: float | None, measured: float | None) -> str | None:
+    """predicted / measured - 1, as '+2.7%' (positive: the planner over-predicted)."""
+    if predicted is None or not measured:
+        return None
+    return f"{100 * (predicted / measured - 1):+.1f}%"
+
+
+def predicted_vs_measured(summary: dict) -> list[dict]:
+    """The planner's predicted components and totals next to what the run measured (summary.json), in GiB.
+
+    Rows: each non-zero predicted component (measured: none, NVML sees only the total), then the device peak
+    (nvidia-smi's number, context included: `peak_vram_gib`) and PyTorch's reserved peak (`peak_reserved_gib`),
+    each with the relative error when the run measured it. Empty when the run predates the planner."""
+    from .planner import COMPONENT_LABELS
+
+    components = summary.get("predicted_components_gib")
+    total = summary.get("predicted_peak_gib")
+    if not components or total is None:
+        return []
+    row = lambda what, predicted, measured=None: {  # noqa: E731
+        "": what, "predicted (GiB)": predicted, "measured (GiB)": measured, "error": relative_error(predicted, measured)}
+    rows = [row(COMPONENT_LABELS.get(key, key), value) for key, value in components.items() if value > 0]
+    phase = summary.get("predicted_phase")
+    rows.append(row(f"**device peak** (nvidia-smi, context included; predicted in {phase or '?'})", total,
+                    summary.get("peak_vram_gib")))
+    reserved = total - sum(components.get(key, 0.0) for key in OUTSIDE_ALLOCATOR)
+    rows.append(row("**PyTorch reserved peak** (device peak less context, runtime and paged optimizer)", reserved,
+                    summary.get("peak_reserved_gib")))
+    return rows
+
+
+def predicted_vs_measured_report(summary: dict) -> str:
+    """Markdown: a one-line note on what can be compared, then the predicted_vs_measured table."""
+    rows = predicted_vs_measured(summary)
+    if not rows:
+        return ("_No prediction in this run's summary.json: it was trained before the planner existed. Train it "
+                "again, or run `python -m nb_helpers plan` with its settings._")
+    predicted, measured = summary["predicted_peak_gib"], summary.get("peak_vram_gib")
+    if measured is None:
+        where = "CPU run" if str(summary.get("device", "")).startswith("cpu") else "NVML could not read this GPU"
+        notes = [f"Measured device memory is not available ({where}): only the prediction is shown"
+                 + (", made for a GTX 1650-class card." if where == "CPU run" else ".")]
+    else:
+        notes = [f"Device peak: predicted {predicted:.2f} GiB, measured {measured:.2f} GiB "
+                 f"({relative_error(predicted, measured)}; positive means the planner over-predicted)."]
+    notes.append("Memory is measured as totals only (NVML, PyTorch), so the components are predictions alone.")
+    if summary.get("status") not in (None, "completed"):
+        notes.append(f"The run ended with status `{summary['status']}`: the measured peak covers only the steps "
+                     "that finished.")
+    gib = lambda v: None if v is None else ("<0.001" if 0 < v < 0.0005 else f"{v:.3f}")  # noqa: E731
+    shown = [{**r, "predicted (GiB)": gib(r["predicted (GiB)"]), "measured (GiB)": gib(r["measured (GiB)"])}
+             for r in rows]
+    return " ".join(notes) + "\n\n" + to_markdown(shown)
