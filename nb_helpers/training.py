@@ -218,16 +218,12 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
 
 def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True) -> RunConfig:
     """Choose micro-batch x accumulation and GC for cfg.budget_gib (or the whole GPU), keeping the effective batch;
-    each choice is confirmed by one forward and backward at full length, stepping down on OOM."""
+    each choice is confirmed by one forward and backward at full length, stepping down on OOM. CUDA only."""
     import torch
 
     from .metrics import memory_snapshot
-    from .planner import PlanInput, auto_fit, plan_for_config
+    from .planner import auto_fit, plan_for_config
 
-    if not torch.cuda.is_available():
-        if verbose:
-            print("[auto-fit] needs a CUDA GPU; keeping micro_batch_size and grad_accum as set")
-        return cfg
     if shape is None:
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
                            "and grad_accum by hand instead")
@@ -371,8 +367,11 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
         if verbose:
             print(f"[plan] no prediction for this model ({e})")
 
-    model = attach_lora(load_4bit(cfg, choice), cfg.replace(gradient_checkpointing=True) if cfg.auto_fit else cfg)
-    if cfg.auto_fit and resume_from is None:
+    fitting = cfg.auto_fit and resume_dir is None and cuda  # a resumed run keeps what was chosen for it
+    if cfg.auto_fit and not cuda and verbose:
+        print("[auto-fit] needs a CUDA GPU; keeping micro_batch_size and grad_accum as set")
+    model = attach_lora(load_4bit(cfg, choice), cfg.replace(gradient_checkpointing=True) if fitting else cfg)
+    if fitting:
         cfg = run_auto_fit(cfg, model, tokenizer, shape, extra.get("cuda_context_gib"), verbose)
         prediction = plan_for_config(cfg, shape, context_gib=extra.get("cuda_context_gib"))
     if prediction is not None:

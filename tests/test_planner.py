@@ -263,3 +263,17 @@ def test_auto_fit_keeps_the_effective_batch_on_gpu(tiny_cfg, capsys):
     assert "[auto-fit] chose micro-batch" in capsys.readouterr().out
     summary = _json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["predicted_peak_gib"] < 4.0
+
+
+def test_auto_fit_without_a_gpu_says_so_and_keeps_the_settings(tiny_cfg, capsys):
+    import json as _json
+
+    from nb_helpers.training import train
+
+    run_dir = train(tiny_cfg.replace(auto_fit=True, max_steps=1, task_eval_samples=0, eval_file=None))
+    out = capsys.readouterr().out
+    assert "[auto-fit] needs a CUDA GPU; keeping micro_batch_size and grad_accum as set" in out
+    assert "[plan] no GPU here; for a GTX 1650-class card" in out
+    saved = _json.loads((run_dir / "config.json").read_text())
+    assert (saved["micro_batch_size"], saved["grad_accum"]) == (tiny_cfg.micro_batch_size, tiny_cfg.grad_accum)
+    assert _json.loads((run_dir / "summary.json").read_text())["predicted_peak_gib"] > 0
