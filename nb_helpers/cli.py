@@ -80,7 +80,7 @@ def cmd_plan(args) -> int:
     targets = ALL_LINEAR if args.targets == "all-linear" else tuple(t.strip() for t in args.targets.split(",") if t)
     capability = tuple(int(x) for x in args.gpu_capability.split(".")) if args.gpu_capability else None
     if capability is None:
-        from .environment import cuda_capability
+        from .dtypes import cuda_capability
 
         capability = cuda_capability() or (7, 5)
     dtype = args.dtype or ("bfloat16" if capability >= (8, 0) else "float16")

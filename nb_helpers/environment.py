@@ -11,6 +11,9 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from .config import PROJECT_ROOT, default_config
+# compute_dtype_for and resolve_compute_dtype are re-exported: notebook 00 and older code import them from here.
+from .dtypes import (compute_dtype_for, cpu_report, cuda_capability, dtype_reason,  # noqa: F401
+                     resolve_compute_dtype)
 
 HUB_URL = "https://huggingface.co/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
@@ -44,25 +47,6 @@ class EnvReport:
         lines.append("Recommended starting config for this machine:")
         lines += [f"  {k} = {v!r}" for k, v in self.recommended.items()]
         return "\n".join(lines)
-
-
-def compute_dtype_for(capability: tuple[int, int] | None) -> str:
-    """bf16 needs Ampere (compute capability 8.0) or newer. Turing (7.5, GTX 1650 / RTX 20xx) gets fp16:
-    torch.cuda.is_bf16_supported() can answer True there through slow emulation, so we decide by capability.
-    None means CPU, where bf16 autocast is supported and measured faster than fp32 here."""
-    if capability is None:
-        return "bfloat16"
-    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
-
-
-def cuda_capability() -> tuple[int, int] | None:
-    import torch
-
-    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
-
-
-def resolve_compute_dtype(requested: str) -> str:
-    return compute_dtype_for(cuda_capability()) if requested == "auto" else requested
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,10 +124,9 @@ def check_environment(check_hub: bool = True) -> EnvReport:
         device = "cuda"
     dtype = compute_dtype_for(capability)
     report.facts["compute_dtype"] = dtype
-    why = ("CPU autocast" if capability is None else
-           "compute capability >= 8.0" if dtype == "bfloat16" else
-           "compute capability < 8.0 has no native bf16 (is_bf16_supported() may still say True through emulation)")
-    report.add("compute dtype", "OK", f"{dtype} ({why})")
+    if capability is None:
+        report.facts["cpu"] = cpu_report()
+    report.add("compute dtype", "OK", f"{dtype} ({dtype_reason(capability, dtype)})")
 
     ok, detail = bnb_roundtrip(device)
     report.add("bitsandbytes 4-bit", "OK" if ok else "FAIL", detail)

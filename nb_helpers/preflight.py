@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import ConfigError, RunConfig
-from .environment import cuda_capability
+from .dtypes import cuda_capability
 from .lora import check_targets
 from .models import ModelChoice, sixteen_bit_bytes_from_config
 

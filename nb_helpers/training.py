@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .config import RunConfig
 from .data import load_train_eval, to_dataset
-from .environment import resolve_compute_dtype
+from .dtypes import resolve_compute_dtype
 from .lora import check_targets, lora_config, parameter_counts
 from .metrics import MetricsCallback, median, read_metrics, record_nvml_baseline
 from .models import load_4bit, load_tokenizer, resolve_model

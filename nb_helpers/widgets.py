@@ -94,7 +94,7 @@ class PlanView:
     def __init__(self, cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None):
         import ipywidgets as w
 
-        from .environment import cuda_capability
+        from .dtypes import cuda_capability
         from .planner import default_context_gib, load_shape
 
         # Everything that does not depend on the knobs is worked out once: config.json, the GPU, its CUDA context.

@@ -10,10 +10,44 @@ from nb_helpers.environment import bnb_roundtrip, check_environment, compute_dty
     ((7, 5), "float16"),   # GTX 1650 / T4 (Turing): no native bf16 even if is_bf16_supported() says yes
     ((6, 1), "float16"),   # Pascal
     ((8, 0), "bfloat16"), ((8, 6), "bfloat16"), ((8, 9), "bfloat16"), ((9, 0), "bfloat16"),
-    (None, "bfloat16"),    # CPU
 ])
 def test_compute_dtype_by_capability(capability, dtype):
     assert compute_dtype_for(capability) == dtype
+
+
+@pytest.mark.parametrize("units, onednn, aten, dtype", [
+    (True, True, "AVX512", "bfloat16"),   # AVX-512 BF16 or AMX: native bf16
+    (False, False, "AVX2", "float32"),    # most laptops and desktops
+    (True, False, "AVX512", "float32"),   # ONEDNN_MAX_CPU_ISA=AVX2 on a bf16 CPU
+    (True, True, "AVX2", "float32"),      # ATEN_CPU_CAPABILITY=avx2 on a bf16 CPU
+    (False, True, "AVX512", "float32"),   # AVX-512 without BF16 (Skylake-X): oneDNN would emulate
+])
+def test_cpu_dtype_is_bf16_only_where_it_is_native(monkeypatch, units, onednn, aten, dtype):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: units, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
+    assert compute_dtype_for(None) == dtype
+    assert ("no native bf16" in environment.dtype_reason(None, dtype)) == (dtype == "float32")
+
+
+def test_isa_limits_make_this_cpu_choose_fp32():
+    """The real switches, in a fresh interpreter (torch reads them at start): an AVX2-limited process picks fp32
+    whatever this CPU has, and the environment check says why."""
+    import subprocess
+    import sys
+
+    code = ("from nb_helpers.environment import check_environment, cpu_report; r = check_environment(check_hub=False);"
+            "print(cpu_report()['capability'], r.facts['compute_dtype']);"
+            "print([c.detail for c in r.checks if c.name == 'compute dtype'][0])")
+    env = {**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+           "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    first, detail = out.strip().splitlines()[-2:]
+    assert first == "AVX2 float32", out
+    assert detail.startswith("float32 (this CPU has no native bf16")
 
 
 def test_turing_gets_fp16_even_when_torch_claims_bf16(monkeypatch):
@@ -40,7 +74,8 @@ def test_report_lines_and_no_failures_here():
     assert not report.failed, text
     names = {c.name for c in report.checks}
     assert {"Python", "torch", "GPU", "compute dtype", "bitsandbytes 4-bit", "disk"} <= names
-    assert report.recommended["compute_dtype"] in {"bfloat16", "float16"}
+    assert report.recommended["compute_dtype"] == report.facts["compute_dtype"]
+    assert report.recommended["compute_dtype"] in {"bfloat16", "float16", "float32"}
 
 
 def test_hub_check_honours_offline_flag(monkeypatch):

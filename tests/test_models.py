@@ -20,7 +20,7 @@ def test_sixteen_bit_size_from_config_matches_real_parameter_count(tied):
 
 
 def test_4bit_breakdown_counts_half_a_byte_per_linear_weight(tiny_model_dir):
-    cfg = RunConfig(model=str(tiny_model_dir))
+    cfg = RunConfig(model=str(tiny_model_dir), compute_dtype="bfloat16")  # 16-bit embeddings, whatever the CPU
     model = load_4bit(cfg, ModelChoice(str(tiny_model_dir), "tiny", "test"))
     parts = memory_breakdown(model)
     linear_params = sixteen_bit_bytes_from_config(model.config)["linear_params"]
@@ -98,7 +98,10 @@ def test_embedded_model_is_a_real_chat_model(embedded_dir):
 
     tokenizer = load_tokenizer(str(embedded_dir))
     assert tokenizer.eos_token == "<|im_end|>"
-    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.bfloat16)
+    from nb_helpers.environment import compute_dtype_for
+
+    # The CPU's own dtype: bf16 generation on an AVX2-only CPU is emulated and takes minutes instead of seconds.
+    model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=getattr(torch, compute_dtype_for(None)))
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, max_new_tokens=30, do_sample=False)

@@ -1,0 +1,64 @@
+"""Which compute dtype this machine should train in: the one source of truth for that choice.
+
+GPUs: bf16 from compute capability 8.0 (Ampere), fp16 below (Turing: GTX 1650, RTX 20xx, T4).
+CPUs: bf16 only where the CPU has bf16 units (AVX-512 BF16 or AMX); fp32 on everything else, which is most
+laptops and desktops (AVX2 only), because emulated bf16 is several times slower than fp32 there.
+"""
+
+from __future__ import annotations
+
+
+def cpu_bf16_native() -> bool:
+    """True only where bf16 matmuls run in hardware: AVX-512 BF16 or AMX, with torch's oneDNN and ATen kernels
+    allowed to use them. Elsewhere (AVX2-only laptops and desktops, AVX-512 without BF16) bf16 is emulated and
+    one training step takes about 8x longer than in fp32 (bench/results/cpu.json). Each probe honours one of
+    the ISA limits that reproduce such a CPU: ONEDNN_MAX_CPU_ISA (oneDNN) and ATEN_CPU_CAPABILITY (ATen)."""
+    import torch
+
+    has_bf16_units = any(getattr(torch.cpu, probe, lambda: False)()
+                         for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    aten_avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return bool(has_bf16_units and onednn_bf16 and aten_avx512)
+
+
+def cpu_report() -> dict:
+    """What torch sees of this CPU, and the compute dtype that follows (environment check and bench/cpu_bench.py)."""
+    import torch
+
+    return {"capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
+            "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+            "auto_dtype": compute_dtype_for(None)}
+
+
+def compute_dtype_for(capability: tuple[int, int] | None) -> str:
+    """bf16 needs Ampere (compute capability 8.0) or newer. Turing (7.5, GTX 1650 / RTX 20xx) gets fp16:
+    torch.cuda.is_bf16_supported() can answer True there through slow emulation, so we decide by capability.
+    None means CPU: bf16 autocast where the CPU has bf16 units, fp32 everywhere else."""
+    if capability is None:
+        return "bfloat16" if cpu_bf16_native() else "float32"
+    return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
+
+
+def dtype_reason(capability: tuple[int, int] | None, dtype: str) -> str:
+    """Why compute_dtype_for chose `dtype`, in words for the environment check and the config printout."""
+    if capability is None:
+        if dtype == "bfloat16":
+            return "this CPU has bf16 units (AVX-512 BF16 / AMX): bf16 autocast is about 2x faster than fp32 here"
+        return ("this CPU has no native bf16 (no AVX-512 BF16 / AMX, or limited by ONEDNN_MAX_CPU_ISA / "
+                "ATEN_CPU_CAPABILITY): fp32, because emulated bf16 is about 8x slower")
+    if dtype == "bfloat16":
+        return "compute capability >= 8.0"
+    return "compute capability < 8.0 has no native bf16 (is_bf16_supported() may still say True through emulation)"
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def resolve_compute_dtype(requested: str) -> str:
+    return compute_dtype_for(cuda_capability()) if requested == "auto" else requested
