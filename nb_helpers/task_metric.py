@@ -56,9 +56,16 @@ def score(prediction: str, reference: str) -> float:
 
 
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 80,
-             batch_size: int = 16) -> list[str]:
-    """Greedy answers for a list of chat prompts, batched with left padding."""
+             batch_size: int | None = None) -> list[str]:
+    """Greedy answers for a list of chat prompts, batched with left padding.
+
+    On a CPU every decoding step dequantizes every 4-bit weight, whatever the batch, so one batch of 64 costs
+    little more than one of 16: 60 prompts took 38 s instead of 75 s on 2 AVX2 cores. A GPU keeps batches of 16,
+    whose key/value cache stays small next to a 4 GB card's training memory."""
     import torch
+
+    if batch_size is None:
+        batch_size = 64 if model.device.type == "cpu" else 16
 
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only models must see their prompt end right before generation
