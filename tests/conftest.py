@@ -1,4 +1,5 @@
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -62,3 +63,43 @@ def tiny_cfg(tiny_model_dir, tmp_path):
     return RunConfig(model=str(tiny_model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
                      max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
                      save_steps=2, runs_dir=str(tmp_path / "runs"), learning_rate=1e-3)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tiny_model_dir, tmp_path_factory):
+    """One finished training run on the tiny model, shared by every test that only reads a run folder:
+    train() once per session instead of once per test (each costs seconds, more on an AVX2-only CPU)."""
+    from nb_helpers.config import RunConfig
+    from nb_helpers.training import train
+
+    cfg = RunConfig(model=str(tiny_model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
+                    max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
+                    save_steps=2, runs_dir=str(tmp_path_factory.mktemp("shared") / "runs"), learning_rate=1e-3)
+    return cfg, train(cfg, verbose=False)
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`python -m nb_helpers ARGS` in this process: the same parser and exit codes, without paying for a new
+    interpreter and a fresh torch import per call."""
+    from nb_helpers.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def run(*args) -> CliResult:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's --help and usage errors
+            code = e.code if isinstance(e.code, int) else 2
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return run

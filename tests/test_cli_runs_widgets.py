@@ -1,39 +1,32 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
-from nb_helpers.config import PROJECT_ROOT, RunConfig
+from nb_helpers.config import RunConfig
 from nb_helpers.runs import list_runs, load_run, mark_latest, new_run_dir, resolve_run
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "nb_helpers", *args], cwd=PROJECT_ROOT, capture_output=True,
-                          text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-
-
-def test_help_lists_the_verbs():
+def test_help_lists_the_verbs(cli):
     out = cli("--help")
     assert out.returncode == 0
     for verb in ("env", "config", "train", "course"):
         assert verb in out.stdout
 
 
-def test_config_prints_a_loadable_config():
+def test_config_prints_a_loadable_config(cli):
     out = cli("config", "--set", "lora_r=16")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout[out.stdout.index("{"):])
     assert RunConfig.from_dict(data).lora_r == 16
 
 
-def test_bad_setting_exits_2_with_the_fix():
+def test_bad_setting_exits_2_with_the_fix(cli):
     out = cli("train", "--set", "lora_r=0")
     assert out.returncode == 2
     assert "lora_r=0" in out.stderr and "must be >= 1" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_env_verb_reports_ok_lines():
+def test_env_verb_reports_ok_lines(cli):
     out = cli("env", "--no-hub")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "[OK  ] bitsandbytes 4-bit" in out.stdout and "Recommended starting config" in out.stdout

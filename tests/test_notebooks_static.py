@@ -34,8 +34,17 @@ def test_notebook_is_clean_valid_and_follows_the_skeleton(path):
     assert markdown[0].startswith("# " + path.name[:2] + " · ")
     assert any(m.startswith("## 1. Setup") for m in markdown)
     assert any(re.match(r"## \d+\. Recap", m) for m in markdown)
-    for before, cell in zip(nb.cells, nb.cells[1:]):  # prose before every code cell that starts a section
-        if cell.cell_type == "code" and before.cell_type == "code":
-            continue
+    runs, current = [], None  # prose before code: every run of code cells follows a markdown cell
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            current = None
+        elif current is None:
+            current = [index]
+            runs.append(current)
+        else:
+            current.append(index)
+    for run in runs:
+        assert run[0] > 0 and nb.cells[run[0] - 1].cell_type == "markdown", f"cell {run[0]} has no prose before it"
+        assert len(run) <= 2, f"cells {run}: more than two code cells in a row; say why in markdown between them"
     assert nb.cells[0].cell_type == "markdown"
     assert json.loads(path.read_text())["metadata"].get("widgets") is None

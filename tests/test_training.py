@@ -9,8 +9,8 @@ from nb_helpers.runs import SUMMARY_KEYS, load_run
 from nb_helpers.training import train
 
 
-def test_run_folder_is_complete(tiny_cfg):
-    run_dir = train(tiny_cfg, verbose=False)
+def test_run_folder_is_complete(shared_run):
+    cfg, run_dir = shared_run
     names = {p.name for p in run_dir.iterdir()}
     assert {"config.json", "metrics.jsonl", "adapter", "summary.json", "training.png", "predictions.jsonl"} <= names
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -31,15 +31,15 @@ def test_run_folder_is_complete(tiny_cfg):
     assert [r["step"] for r in evals] == [0, 3]  # before and after training
 
     assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
-    assert load_run(run_dir.parent / "latest").config["lora_r"] == tiny_cfg.lora_r
+    assert load_run(run_dir.parent / "latest").config["lora_r"] == cfg.lora_r
 
 
-def test_adapter_loads_back_with_peft(tiny_cfg, tiny_model_dir):
+def test_adapter_loads_back_with_peft(shared_run, tiny_model_dir):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run_dir = train(tiny_cfg, verbose=False)
+    run_dir = shared_run[1]
     assert not list(run_dir.glob("adapter/*.bin"))  # safetensors only
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, run_dir / "adapter")
@@ -88,7 +88,8 @@ def test_embedded_model_learns_the_task(embedded_dir, tmp_path):
     from nb_helpers.config import RunConfig
 
     cfg = RunConfig(micro_batch_size=8, grad_accum=1, max_steps=12, max_length=256, max_train_samples=96,
-                    max_eval_samples=16, task_eval_samples=0, runs_dir=str(tmp_path / "runs"))
+                    max_eval_samples=16, task_eval_samples=0, gradient_checkpointing=False,
+                    runs_dir=str(tmp_path / "runs"))
     summary = json.loads((train(cfg, verbose=False) / "summary.json").read_text())
     assert summary["model"] == "SmolLM2-135M-Instruct"
     assert summary["eval_loss_after"] < summary["eval_loss_before"] - 0.1, summary
