@@ -1,0 +1,162 @@
+"""CPU training speed per instruction set and dtype, on the embedded SmolLM2-135M (the `make run` model).
+
+    python bench/cpu_bench.py                 # the full grid, writes bench/results/cpu.json
+    python bench/cpu_bench.py --steps 4 --only avx2   # a quicker look at one ISA limit
+
+Each variant runs in a fresh process, because the ISA limits are read when torch starts:
+  native  this CPU as it is
+  avx2    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2: behaves like the
+          AVX2-only CPUs most laptops and desktops have (no AVX-512, no AMX, so no native bf16)
+
+A variant is `python -m nb_helpers train` on the shipped data with the CPU profile's knobs, no evaluation and
+no task scoring, for --steps optimizer steps. It reports the median seconds per optimizer step after the first
+one (which pays for allocation), and non-padding tokens per second. A variant that passes --timeout is stopped
+and reported with the steps it finished (bf16 on AVX2 is the slow case this bench exists to show).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "cpu.json"
+
+ISA_LIMITS = {
+    "native": {},
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
+
+# (name, config changes against the CPU profile). Each is one lever, measured alone against the profile.
+def variants() -> list[tuple[str, dict]]:
+    return [
+        ("profile (auto dtype)", {}),
+        ("bf16 autocast", {"compute_dtype": "bfloat16"}),
+        ("fp32", {"compute_dtype": "float32"}),
+        ("gradient checkpointing on", {"gradient_checkpointing": True}),
+        ("16-bit base (no 4-bit)", {"load_in_4bit": False}),
+        ("1 thread", {"__threads": 1}),
+    ]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def matmul_gflops(n: int = 1024, reps: int = 5) -> dict:
+    """fp32 and bf16 matmul throughput: the root cause, without the training stack around it."""
+    import torch
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        start = time.perf_counter()
+        count = 0
+        while count < reps or time.perf_counter() - start < 0.5:
+            a @ b
+            count += 1
+            if time.perf_counter() - start > 20:  # emulated bf16 can take seconds per call: stop early
+                break
+        out[str(dtype).replace("torch.", "")] = round(2 * n**3 * count / (time.perf_counter() - start) / 1e9, 1)
+    return out
+
+
+def worker(spec: dict) -> None:
+    """Runs inside the limited process: report what torch sees, then train."""
+    import torch
+
+    from nb_helpers.config import CPU_OVERRIDES, RunConfig
+    from nb_helpers.dtypes import cpu_report
+    from nb_helpers.training import train
+
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    print("REPORT " + json.dumps({**cpu_report(), "matmul_gflops": matmul_gflops(), "threads": torch.get_num_threads()}),
+          flush=True)
+    cfg = RunConfig(**{**CPU_OVERRIDES, **spec["changes"], "max_steps": spec["steps"], "eval_file": None,
+                       "task_eval_samples": 0, "eval_steps": 0, "save_steps": 10_000,
+                       "runs_dir": spec["runs_dir"], "run_name": "bench"})
+    train(cfg, verbose=False)
+
+
+def run_variant(isa: str, name: str, changes: dict, steps: int, timeout: float) -> dict:
+    changes = dict(changes)
+    threads = changes.pop("__threads", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = {"changes": changes, "steps": steps, "runs_dir": tmp, "threads": threads}
+        env = {**os.environ, **ISA_LIMITS[isa], "PYTHONUNBUFFERED": "1"}
+        started = time.time()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=timeout)
+            stopped, out = False, proc.stdout
+            if proc.returncode != 0:
+                raise RuntimeError(f"{isa}/{name} failed:\n{proc.stderr[-3000:]}")
+        except subprocess.TimeoutExpired as e:
+            stopped, out = True, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        report = next((json.loads(l[7:]) for l in out.splitlines() if l.startswith("REPORT ")), {})
+        metrics = Path(tmp) / "bench" / "metrics.jsonl"
+        records = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = [r for r in records if "loss" in r]
+    timed = records[1:] if len(records) > 1 else records
+    step_s = statistics.median(r["step_s"] for r in timed) if timed else None
+    tokens = statistics.median(r["tokens"] for r in timed) if timed else None
+    return {"isa_limit": isa, "variant": name, "changes": changes, "threads": report.get("threads"),
+            "compute_dtype": changes.get("compute_dtype") or report.get("auto_dtype"),
+            "steps_done": len(records), "stopped_after_s": round(time.time() - started) if stopped else None,
+            "median_step_s": None if step_s is None else round(step_s, 3),
+            "tokens_per_s": None if not step_s else round(tokens / step_s, 1),
+            "losses": [round(r["loss"], 4) for r in records], "torch_sees": report}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per variant (the first is not timed)")
+    parser.add_argument("--only", choices=sorted(ISA_LIMITS), help="one ISA limit instead of both")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before a variant is stopped")
+    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    from nb_helpers.config import CPU_OVERRIDES
+    from nb_helpers.training import package_versions
+
+    rows = []
+    for isa in [args.only] if args.only else list(ISA_LIMITS):
+        for name, changes in variants():
+            row = run_variant(isa, name, changes, args.steps, args.timeout)
+            rows.append(row)
+            took = f"{row['median_step_s']} s/step" if row["median_step_s"] else "no step timed"
+            print(f"{isa:<7} {name:<34} {row['compute_dtype'] or '?':<9} {took:<16} "
+                  f"{row['tokens_per_s'] or '-':>8} tok/s  steps {row['steps_done']}"
+                  + (f"  (stopped after {row['stopped_after_s']} s)" if row["stopped_after_s"] else ""), flush=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cores": os.cpu_count(),
+              "profile": CPU_OVERRIDES, "steps": args.steps, "versions": package_versions(),
+              "isa_limits": ISA_LIMITS, "rows": rows}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
