@@ -169,6 +169,10 @@ class PlanInput:
     loss: str = "trl-fused"  # TRL 1.16's chunked log-prob loss, the only one SFTTrainer uses for these models
     context_gib: float = CONSUMER_CONTEXT_GIB
     gpu_capability: tuple[int, int] = (7, 5)  # compute capability: sizes the cuBLAS workspaces (GTX 1650: 7.5)
+    # The GPU training path (nb_helpers.fastpath); False models the older path that called prepare_model_for_kbit_training
+    lean: bool = True  # embeddings, head and norms stay 16-bit: 16-bit residual stream and checkpoints
+    fused_kernels: bool = True  # liger SwiGLU saves its two inputs only (the stock MLP also keeps SiLU's output)
+    nomask: bool = True  # right-padded batches run without a mask: flash SDPA, native GQA, no bias tensor
 
     @property
     def tokens(self) -> int:
@@ -223,8 +227,8 @@ COMPONENT_LABELS = {
     "runtime": "runtime overhead (kernels)",
     "weights_4bit": "4-bit linear weights",
     "quant_constants": "quantization constants",
-    "embeddings_head": "embeddings + head (fp32)",
-    "norms": "norms (fp32)",
+    "embeddings_head": "embeddings + head",
+    "norms": "norms",
     "cublas": "cuBLAS workspaces",
     "lora_weights": "LoRA weights",
     "lora_grads": "LoRA gradients",
@@ -259,14 +263,21 @@ def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int) -> float:
     return 2.0 * param_bytes * sum(sizes)  # torch AdamW: exp_avg and exp_avg_sq like the parameter
 
 
+def residual_bytes(inp: PlanInput) -> int:
+    """Bytes per element of the residual stream: the compute dtype on the lean path, fp32 after peft's upcast."""
+    return DTYPE_BYTES[inp.compute_dtype] if inp.lean else 4
+
+
 def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool) -> float:
     """Bytes one decoder layer saves for backward, per token (GC off), bf16/fp16 autocast."""
     h, i, nh, nkv, hd = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
-    norms = 2 * (4 * h + 4)
-    attention = (8 * nh * hd if padded else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
-    if padded:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
+    rb = residual_bytes(inp)
+    norms = 2 * (rb * h + 4)
+    masked = padded and not inp.nomask
+    attention = (8 * nh * hd if masked else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
+    if masked:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
         attention += 2 * inp.seq
-    mlp = 3 * 4 * i
+    mlp = (2 if inp.fused_kernels else 3) * rb * i
     dims = shape.linear_dims()
     mask = 1 if inp.lora_dropout > 0 else 0
     lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in inp.targets)
@@ -292,8 +303,9 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     linear = shape.linear_params
     c["weights_4bit"] = linear / 2
     c["quant_constants"] = linear / 64 + 4 * linear / (64 * 256) if inp.double_quant else 4 * linear / 64
-    c["embeddings_head"] = 4.0 * shape.embedding_params
-    c["norms"] = 4.0 * shape.norm_params
+    rb = residual_bytes(inp)  # embeddings, head and norms: compute dtype (lean) or fp32 (prepare_model_for_kbit)
+    c["embeddings_head"] = float(rb * shape.embedding_params)
+    c["norms"] = float(rb * shape.norm_params)
     per_handle = CUBLAS_WORKSPACE_MIB["hopper" if tuple(inp.gpu_capability) >= (9, 0) else "older"]
     c["cublas"] = 2 * per_handle * 2**20
     sizes = lora_tensors(shape, inp)
@@ -305,28 +317,32 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     c["optimizer"] = 0.0 if paged else state
 
     per_layer = layer_activation_bytes_per_token(shape, inp, padded)
-    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if padded else 0)  # cos/sin, mask
-    kept_per_layer = 4 * h if inp.gradient_checkpointing else per_layer
-    kept = L * kept_per_layer * T + shared + 4 * h * T  # + the final norm's input
-    head_saved = 4 * h * N
+    masked = padded and not inp.nomask
+    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if masked else 0)  # cos/sin, mask
+    kept_per_layer = rb * h if inp.gradient_checkpointing else per_layer
+    kept = L * kept_per_layer * T + shared + rb * h * T  # + the final norm's input
+    head_saved = rb * h * N
     tile_tokens = min(N, LOGPROB_TOKEN_TILE)
-    head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute \
-        + min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
+    head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute
+    if not inp.lean:  # the fp32 head's slice and the fp32 hidden states are cast to the compute dtype per tile
+        head_tiles += min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
     # The phases where the peak can fall; the largest wins.
     zero = {"activations_kept": 0.0, "layer_recompute": 0.0, "logits_loss": 0.0, "backward_transient": 0.0,
             "upcast": 0.0}
     phases = {
-        # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
-        # moment the largest exists in both dtypes. With a big tied vocabulary and short sequences this is the peak.
-        "loading (fp32 upcast)": {**zero, "upcast": 2.0 * shape.vocab * h},
-        "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * T + 8 * 4 * N},
-        "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * N,
-                              "backward_transient": 4 * h * T},
+        "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * T + 8 * 4 * N},
+        "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * N,
+                              "backward_transient": rb * h * T},
         "the last layer's backward": {
             **zero, "activations_kept": kept,
             "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
-            "backward_transient": 2 * 4 * i * T + 2 * 4 * h * T + 2 * max(a * b for a, b in shape.linear_dims().values())},
+            "backward_transient": 2 * rb * i * T + 2 * rb * h * T
+            + 2 * max(a * b for a, b in shape.linear_dims().values())},
     }
+    if not inp.lean:
+        # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
+        # moment the largest exists in both dtypes. With a big tied vocabulary and short sequences this is the peak.
+        phases["loading (fp32 upcast)"] = {**zero, "upcast": 2.0 * shape.vocab * h}
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     c.update({k: float(v) for k, v in phases[phase].items()})
     dynamic = sum(phases[phase].values())
@@ -430,11 +446,15 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
     dtype = resolve_compute_dtype(cfg.compute_dtype)
     if capability < (8, 0) and dtype == "bfloat16":
         dtype = "float16"
+    from .fastpath import gpu_options, kernels_installed
+
+    fast = gpu_options()  # the GPU path's levers, as NB_FASTPATH leaves them
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
                     targets=targets, gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim,
                     compute_dtype=dtype, double_quant=cfg.double_quant, lora_dropout=cfg.lora_dropout,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
-                    gpu_capability=capability)
+                    gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
+                    fused_kernels=fast.kernels and kernels_installed())
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 

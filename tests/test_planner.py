@@ -14,9 +14,15 @@ TINYLLAMA = Shape(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=
 
 
 def small_input(**changes):
+    """The older path (peft's prepare_model_for_kbit_training: fp32 embeddings, head and norms; stock layers; masks)."""
     base = dict(seq=32, batch=1, accum=2, rank=4, targets=QKVO, gradient_checkpointing=True, context_gib=0.25,
-                gpu_capability=(8, 6))
+                gpu_capability=(8, 6), lean=False, fused_kernels=False, nomask=False)
     return PlanInput(**{**base, **changes})
+
+
+def lean_input(**changes):
+    """The GPU path (nb_helpers.fastpath): 16-bit embeddings, head, norms and residual stream; fused SwiGLU; no mask."""
+    return small_input(**{"lean": True, "fused_kernels": True, "nomask": True, **changes})
 
 
 def test_static_components_match_hand_computed_bytes():
@@ -61,13 +67,44 @@ def test_activation_components_match_hand_computed_bytes():
     assert no_gc["layer_recompute"] == 0
 
 
+def test_lean_path_components_match_hand_computed_bytes():
+    c = plan(SMALL, lean_input()).components
+    assert c["embeddings_head"] == 2 * 2 * 1000 * 64  # bf16, untied: nothing upcast
+    assert c["norms"] == 2 * (2 * 2 + 1) * 64
+    assert c["upcast"] == 0  # no fp32 copy while loading either
+    per_token = planner.layer_activation_bytes_per_token(SMALL, lean_input(), padded=True)
+    norms = 2 * (2 * 64 + 4)  # bf16 input + fp32 rstd, twice
+    attention = 4 * 4 * 16 + 4 * 2 * 16 + 4 * 4  # padded, but without a mask: flash, k and v not repeated
+    mlp = 2 * 2 * 128  # liger's SwiGLU keeps gate and up (bf16) only
+    lora = 3 * 64 * 4 + 4 * 2 * 4
+    assert per_token == norms + attention + mlp + lora
+    T = 32
+    assert c["activations_kept"] == 2 * 2 * 64 * T + 2 * T * 16 * 4 + 2 * 64 * T  # bf16 checkpoints
+    assert c["layer_recompute"] == per_token * T
+    N = 31
+    tile = min(N, planner.LOGPROB_TOKEN_TILE) * 1000 * 2  # logits tile in bf16; the bf16 head is not copied
+    loss_phase = plan(SMALL, lean_input(seq=4096, batch=1, rank=1, targets=("q_proj",)))
+    assert loss_phase.peak_gib > 0 and tile == 62000
+    stock = planner.layer_activation_bytes_per_token(SMALL, lean_input(fused_kernels=False), padded=False)
+    assert stock - per_token == 2 * 128  # SiLU's output, kept by the stock MLP
+    masked = planner.layer_activation_bytes_per_token(SMALL, lean_input(nomask=False), padded=True)
+    assert masked - per_token == (8 * 64 - 4 * 64 - 4 * 32) + 2 * 32
+
+
+def test_lean_path_needs_less_than_the_upcast_path():
+    for seq, batch in ((512, 1), (512, 8), (2048, 4)):
+        old = plan(TINYLLAMA, PlanInput(seq=seq, batch=batch, lean=False, fused_kernels=False, nomask=False))
+        new = plan(TINYLLAMA, PlanInput(seq=seq, batch=batch))
+        assert new.peak_gib < old.peak_gib - 0.3
+
+
 def test_more_tokens_rank_and_targets_cost_more_and_gc_saves():
     base = plan(TINYLLAMA, PlanInput(seq=512, batch=1)).peak_gib
     assert plan(TINYLLAMA, PlanInput(seq=2048, batch=1)).peak_gib > base
     assert plan(TINYLLAMA, PlanInput(seq=512, batch=8)).peak_gib > base
     assert plan(TINYLLAMA, PlanInput(seq=512, rank=64, targets=ALL_LINEAR)).peak_gib > base
     assert plan(TINYLLAMA, PlanInput(seq=2048, gradient_checkpointing=False)).peak_gib > \
-        plan(TINYLLAMA, PlanInput(seq=2048)).peak_gib + 3
+        plan(TINYLLAMA, PlanInput(seq=2048)).peak_gib + 2
     assert plan(TINYLLAMA, PlanInput(double_quant=False)).components["quant_constants"] > \
         3 * plan(TINYLLAMA, PlanInput()).components["quant_constants"]
 
@@ -98,7 +135,7 @@ def test_shape_reads_config_json(tmp_path):
     from transformers import LlamaConfig
 
     c = plan(shape, PlanInput()).components
-    ours = c["weights_4bit"] + c["quant_constants"] + (c["embeddings_head"] + c["norms"]) / 2
+    ours = c["weights_4bit"] + c["quant_constants"] + c["embeddings_head"] + c["norms"]  # 16-bit on the lean path
     assert ours == pytest.approx(four_bit_weight_bytes(LlamaConfig(**config)), rel=0.01)
 
 
