@@ -176,7 +176,11 @@ def main() -> None:
         return
     pool = {"holdout": HOLDOUT, "lean": LEAN}.get(args.points) or \
         POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN
-    chosen = [p for p in pool if args.points in ("all", "holdout", "lean") or p[0] in args.points.split(",")]
+    if args.points in ("all", "holdout", "lean"):
+        chosen = pool
+    else:  # in the order given
+        by_id = {p[0]: p for p in pool}
+        chosen = [by_id[i] for i in args.points.split(",")]
     built: dict[str, Path] = {}
     start = time.time()
     for point in chosen:

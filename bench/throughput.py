@@ -60,15 +60,19 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0"),
-        run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
-        run("w512", "lean+nomask-8x1", 8, 1, fast="kernels=0"),
-        run("w512", "lean+kernels-8x1", 8, 1, fast="nomask=0"),
+        # second device call: each lever added alone on top of the previous one, at 8 x 1
+        run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0,expandable=0"),
+        run("w512", "lean+nomask-8x1", 8, 1, fast="kernels=0,expandable=0"),
+        run("w512", "lean+nomask+kernels-8x1", 8, 1, fast="expandable=0"),
+        run("w512", "all-8x1", 8, 1),
+        run("shipped", "all-8x1", 8, 1),
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
+        # first device call (before the expandable-segments lever existed)
+        run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
+        run("w512", "lean-8x1-call1", 8, 1, fast="kernels=0,nomask=0"),
         run("w2048", "all-4x2-selective-gc", 4, 2, fast="selective_gc=1"),
         run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
         run("w2048", "lean-4x2", 4, 2, fast="kernels=0,nomask=0"),
-        run("shipped", "lean-8x1", 8, 1, fast="kernels=0,nomask=0"),
         run("w512", "all-8x1-fp32-adapters", 8, 1, fast="adapters_fp32=1"),
     ]
 

@@ -41,6 +41,7 @@ class FastOptions:
     nomask: bool = True  # right-padded training batches run without an attention mask (flash SDPA, native GQA); GPU
     adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
     selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
+    expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -49,7 +50,7 @@ class FastOptions:
         import torch
 
         gpu = torch.cuda.is_available()
-        values = {"lean": gpu, "nomask": gpu}
+        values = {"lean": gpu, "nomask": gpu, "expandable": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:
@@ -81,6 +82,28 @@ def lean_prepare(model):
     for param in model.parameters():
         param.requires_grad_(False)
     return model
+
+
+def use_expandable_segments() -> bool:
+    """Let PyTorch's caching allocator grow segments in place (`expandable_segments:True`) instead of caching blocks
+    of every size it has seen. Micro-batches whose length changes from step to step otherwise leave freed blocks
+    that fit nothing (measured: reserved - allocated was 0.48 GiB at 8 x 512 tokens). Linux + CUDA only; the
+    per-process memory cap (the emulated budget) still applies. Returns whether it is on."""
+    import platform
+
+    import torch
+
+    if not torch.cuda.is_available() or platform.system() != "Linux":
+        return False
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in setting:  # the user chose; respect it
+        return "expandable_segments:true" in setting.replace(" ", "").lower()
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except Exception as e:  # noqa: BLE001 - a private API: if it moves, train as before
+        say_once("expandable", f"[fast] expandable allocator segments unavailable ({e}); using the default allocator")
+        return False
+    return True
 
 
 # --- fused kernels ---------------------------------------------------------------------------------------------

@@ -360,6 +360,10 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     cuda = torch.cuda.is_available()
     if cuda:
         record_nvml_baseline(int(os.environ.get("LOCAL_RANK", "0")))  # before this process creates a context
+        from .fastpath import FastOptions, use_expandable_segments
+
+        if FastOptions.from_env().expandable:
+            extra["expandable_segments"] = use_expandable_segments()
 
     # Everything that can be wrong with the settings or the data is found before the weights load.
     choice = resolve_model(cfg, verbose=verbose)

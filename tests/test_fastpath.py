@@ -168,3 +168,24 @@ def test_fp16_fast_path_trains_with_fp32_adapters(tiny_cfg):
     assert summary["status"] == "completed" and summary["compute_dtype"] == "float16"
     losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert all(loss == loss and loss < 100 for loss in losses)
+
+
+@pytest.mark.gpu
+def test_the_budget_cap_holds_with_expandable_segments():
+    """The emulated card (set_per_process_memory_fraction) must still refuse memory past the budget when the
+    allocator grows expandable segments."""
+    import torch
+
+    from nb_helpers.fastpath import use_expandable_segments
+    from nb_helpers.memory import enforce_budget
+
+    assert use_expandable_segments()
+    try:
+        budget = enforce_budget(2.0)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int((budget.allocator_cap_gib + 0.25) * 2**30), dtype=torch.uint8, device="cuda")
+        fits = torch.empty(int((budget.allocator_cap_gib - 0.5) * 2**30), dtype=torch.uint8, device="cuda")
+        del fits
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
