@@ -99,7 +99,11 @@ def use_expandable_segments() -> bool:
     if "expandable_segments" in setting:  # the user chose; respect it
         return "expandable_segments:true" in setting.replace(" ", "").lower()
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        import warnings
+
+        with warnings.catch_warnings():  # torch 2.11 names a newer private spelling; this one is the one we measured
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     except Exception as e:  # noqa: BLE001 - a private API: if it moves, train as before
         say_once("expandable", f"[fast] expandable allocator segments unavailable ({e}); using the default allocator")
         return False

@@ -14,8 +14,12 @@ Weights (static)
   * NF4 linear weights (bitsandbytes Params4bit): 0.5 byte per weight, packed two per byte.
   * Quantization constants, one absmax per 64-weight block: fp32 (4/64 byte per weight); with double quant the
     absmax is itself 8-bit (1/64) plus one fp32 per 256 absmax (4/16384).
-  * Embeddings, untied LM head, norms: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to
-    fp32, so 4 bytes each (twice the 16-bit checkpoint).
+  * Embeddings, untied LM head, norms: 16-bit on the lean GPU path (nb_helpers.fastpath, the default since issue 8).
+    The older path's prepare_model_for_kbit_training cast every non-4-bit parameter to fp32 (4 bytes each), which
+    also made the residual stream fp32: `lean=False` models it, and the 4-byte terms below are its terms; on the lean
+    path each "fp32" activation of the residual stream (norm inputs, checkpoints, final hidden states and their
+    gradients) is 2 bytes. liger's SwiGLU (fused_kernels) keeps 2 of the MLP's 3 tensors; without a mask (nomask) a
+    padded micro-batch costs what an unpadded one does.
   * LoRA A (r x in) and B (out x r) per target layer: TRL 1.16 casts them to bf16 for quantized models (2 bytes);
     nb_helpers keeps them fp32 (4 bytes) when training in fp16/fp32 (see training.build_trainer).
   * Their gradients, same dtype, alive across micro-batches when grad_accum > 1. With accumulation 1 the peak
@@ -65,7 +69,9 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/
     bitsandbytes and Triton, the paged optimizer's bookkeeping): RUNTIME_OVERHEAD_GIB.
   * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other
     sizes stay cached. It grows with the activations, and gradient checkpointing, which frees and re-allocates a
-    layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _NO_GC of the peak activations.
+    layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _GC_LEAN / _NO_GC of the peak
+    activations. With expandable segments (the GPU path's default on Linux, nb_helpers.fastpath) freed pages are
+    reused for any size and the overhead measured 0.02-0.27 GiB on 11 points of 3 shapes: EXPANDABLE_OVERHEAD_GIB.
   * CUDA context: measured on this GPU when there is one (memory.measure_context_bytes), else
     CONSUMER_CONTEXT_GIB, the usual size on consumer cards.
 """
@@ -74,14 +80,17 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GIB = 2**30
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
 RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H200 measurement, planner grid
-ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on
+ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on (fp32 path)
+ALLOCATOR_OVERHEAD_GC_LEAN = 0.35  # the same on the lean path (half the activation bytes, the same transients)
 ALLOCATOR_OVERHEAD_NO_GC = 0.05  # the same without checkpointing
+EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments (the GPU default on Linux): flat
 LOGPROB_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
@@ -173,6 +182,7 @@ class PlanInput:
     lean: bool = True  # embeddings, head and norms stay 16-bit: 16-bit residual stream and checkpoints
     fused_kernels: bool = True  # liger SwiGLU saves its two inputs only (the stock MLP also keeps SiLU's output)
     nomask: bool = True  # right-padded batches run without a mask: flash SDPA, native GQA, no bias tensor
+    expandable: bool = True  # expandable allocator segments (Linux): a flat allocator overhead instead of a share
 
     @property
     def tokens(self) -> int:
@@ -346,7 +356,12 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     c.update({k: float(v) for k, v in phases[phase].items()})
     dynamic = sum(phases[phase].values())
-    c["allocator"] = dynamic * (ALLOCATOR_OVERHEAD_GC if inp.gradient_checkpointing else ALLOCATOR_OVERHEAD_NO_GC)
+    if inp.expandable:
+        c["allocator"] = EXPANDABLE_OVERHEAD_GIB * GIB
+    else:
+        share = (ALLOCATOR_OVERHEAD_GC_LEAN if inp.lean else ALLOCATOR_OVERHEAD_GC) if inp.gradient_checkpointing \
+            else ALLOCATOR_OVERHEAD_NO_GC
+        c["allocator"] = dynamic * share
     order = list(COMPONENT_LABELS)
     result = Plan(inp, shape, {k: c[k] for k in order}, phase, budget_gib)
     if shape.max_positions and inp.seq > shape.max_positions:
@@ -454,7 +469,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     compute_dtype=dtype, double_quant=cfg.double_quant, lora_dropout=cfg.lora_dropout,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
                     gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
-                    fused_kernels=fast.kernels and kernels_installed())
+                    fused_kernels=fast.kernels and kernels_installed(),
+                    expandable=fast.expandable and platform.system() == "Linux")
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 
