@@ -123,7 +123,8 @@ def kernels_unavailable_reason(model) -> str | None:
         import triton  # noqa: F401
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
     except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to import on this platform
-        return f"liger-kernel is not importable ({type(e).__name__}: {e})"
+        return (f"liger-kernel is not importable ({type(e).__name__}: {e}); `pip install -r requirements-gpu.txt` "
+                "adds it")
     try:
         return _smoke_test(next(p for p in model.parameters()).device)
     except Exception as e:  # noqa: BLE001 - an old GPU or a broken Triton: fall back, do not crash the lesson
