@@ -75,8 +75,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
 
     On a GPU the default is the lean prepare (nb_helpers.fastpath): the base frozen and 16-bit, as the recipe
     runs on the plain stack. peft's prepare_model_for_kbit_training upcast embeddings, head and norms to
-    fp32, which made the residual stream and every checkpoint fp32: +0.43 GiB at the recipe's own settings, for
-    the same losses. NB_FASTPATH=lean=0 brings it back; the CPU path keeps it."""
+    fp32, which made the residual stream and every checkpoint fp32: 1.03 GiB more at 8 x 512 tokens on the H200, at
+    the same speed and losses (bench/NOTES.md). NB_FASTPATH=lean=0 brings it back; the CPU path keeps it."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     from .fastpath import FastOptions, apply_fused_kernels, install_mask_drop, lean_prepare
