@@ -63,6 +63,26 @@ HOLDOUT = [
     ("h7", "llama-3.2-3b", 1024, 1, 1, 8, QKVO, False, 48),
     ("l6", "llama-3.2-3b", 4096, 2, 1, 16, "all-linear", True, 48),
 ]
+# The lean GPU path (nb_helpers.fastpath: 16-bit residual stream, fused kernels, no mask for right padding), after
+# issue 8. Its constants were fitted on the TinyLlama runs of bench/throughput.py; these points were not seen then.
+LEAN = [
+    ("n1", "tinyllama-1.1b", 512, 1, 8, 8, QKVO, True, 4),      # the reference recipe's settings
+    ("n2", "tinyllama-1.1b", 512, 8, 1, 8, QKVO, True, 4),
+    ("n3", "tinyllama-1.1b", 512, 2, 1, 8, QKVO, False, 4),
+    ("n4", "tinyllama-1.1b", 1024, 4, 1, 16, "all-linear", True, 4),
+    ("n5", "tinyllama-1.1b", 2048, 4, 2, 8, QKVO, True, 4),
+    ("n6", "tinyllama-1.1b", 2048, 1, 1, 8, QKVO, False, 48),
+    ("n7", "tinyllama-1.1b", 4096, 2, 1, 8, QKVO, True, 48),
+    ("n8", "tinyllama-1.1b", 2048, 2, 1, 64, "all-linear", True, 48),
+    ("m1", "smollm2-135m", 512, 8, 1, 8, QKVO, False, 16),
+    ("m2", "smollm2-135m", 2048, 4, 1, 8, QKVO, True, 4),
+    ("m3", "smollm2-135m", 4096, 4, 1, 64, "all-linear", True, 48),
+    ("m4", "smollm2-135m", 1024, 16, 1, 16, "all-linear", True, 48),
+    ("m5", "smollm2-135m", 512, 16, 1, 8, QKVO, True, 4),
+    ("k1", "llama-3.2-3b", 512, 1, 1, 8, QKVO, True, 8),
+    ("k2", "llama-3.2-3b", 2048, 2, 1, 8, "all-linear", True, 48),
+    ("k3", "llama-3.2-3b", 1024, 1, 1, 8, QKVO, False, 48),
+]
 # Auto-fit against the reference recipe on the TinyLlama shape at 4 GiB, effective batch 8, in one call.
 AUTOFIT = [(f"{name}-{seq}", seq, extra) for seq in (512, 2048) for name, extra in (
     ("reference", dict(micro_batch_size=1, grad_accum=8, gradient_checkpointing=True)),
@@ -131,7 +151,7 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--points", default="all", help="comma list of point ids, all, holdout, or autofit")
+    parser.add_argument("--points", default="all", help="comma list of point ids, all, holdout, lean, or autofit")
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
@@ -154,8 +174,13 @@ def main() -> None:
             for line in row.get("autofit_log", []):
                 print("   ", line, flush=True)
         return
-    pool = HOLDOUT if args.points == "holdout" else POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}]
-    chosen = [p for p in pool if args.points in ("all", "holdout") or p[0] in args.points.split(",")]
+    pool = {"holdout": HOLDOUT, "lean": LEAN}.get(args.points) or \
+        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN
+    if args.points in ("all", "holdout", "lean"):
+        chosen = pool
+    else:  # in the order given
+        by_id = {p[0]: p for p in pool}
+        chosen = [by_id[i] for i in args.points.split(",")]
     built: dict[str, Path] = {}
     start = time.time()
     for point in chosen:

@@ -14,8 +14,12 @@ Weights (static)
   * NF4 linear weights (bitsandbytes Params4bit): 0.5 byte per weight, packed two per byte.
   * Quantization constants, one absmax per 64-weight block: fp32 (4/64 byte per weight); with double quant the
     absmax is itself 8-bit (1/64) plus one fp32 per 256 absmax (4/16384).
-  * Embeddings, untied LM head, norms: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to
-    fp32, so 4 bytes each (twice the 16-bit checkpoint).
+  * Embeddings, untied LM head, norms: 16-bit on the lean GPU path (nb_helpers.fastpath, the default since issue 8).
+    The older path's prepare_model_for_kbit_training cast every non-4-bit parameter to fp32 (4 bytes each), which
+    also made the residual stream fp32: `lean=False` models it, and the 4-byte terms below are its terms; on the lean
+    path each "fp32" activation of the residual stream (norm inputs, checkpoints, final hidden states and their
+    gradients) is 2 bytes. liger's SwiGLU (fused_kernels) keeps 2 of the MLP's 3 tensors; without a mask (nomask) a
+    padded micro-batch costs what an unpadded one does.
   * LoRA A (r x in) and B (out x r) per target layer: TRL 1.16 casts them to bf16 for quantized models (2 bytes);
     nb_helpers keeps them fp32 (4 bytes) when training in fp16/fp32 (see training.build_trainer).
   * Their gradients, same dtype, alive across micro-batches when grad_accum > 1. With accumulation 1 the peak
@@ -65,7 +69,9 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/
     bitsandbytes and Triton, the paged optimizer's bookkeeping): RUNTIME_OVERHEAD_GIB.
   * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other
     sizes stay cached. It grows with the activations, and gradient checkpointing, which frees and re-allocates a
-    layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _NO_GC of the peak activations.
+    layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _GC_LEAN / _NO_GC of the peak
+    activations. With expandable segments (the GPU path's default on Linux, nb_helpers.fastpath) freed pages are
+    reused for any size and the overhead measured 0.02-0.27 GiB on 11 points of 3 shapes: EXPANDABLE_OVERHEAD_GIB.
   * CUDA context: measured on this GPU when there is one (memory.measure_context_bytes), else
     CONSUMER_CONTEXT_GIB, the usual size on consumer cards.
 """
@@ -74,14 +80,17 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GIB = 2**30
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
 RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H200 measurement, planner grid
-ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on
+ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on (fp32 path)
+ALLOCATOR_OVERHEAD_GC_LEAN = 0.35  # the same on the lean path (half the activation bytes, the same transients)
 ALLOCATOR_OVERHEAD_NO_GC = 0.05  # the same without checkpointing
+EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments (the GPU default on Linux): flat
 LOGPROB_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
@@ -169,6 +178,11 @@ class PlanInput:
     loss: str = "trl-fused"  # TRL 1.16's chunked log-prob loss, the only one SFTTrainer uses for these models
     context_gib: float = CONSUMER_CONTEXT_GIB
     gpu_capability: tuple[int, int] = (7, 5)  # compute capability: sizes the cuBLAS workspaces (GTX 1650: 7.5)
+    # The GPU training path (nb_helpers.fastpath); False models the older path that called prepare_model_for_kbit_training
+    lean: bool = True  # embeddings, head and norms stay 16-bit: 16-bit residual stream and checkpoints
+    fused_kernels: bool = True  # liger SwiGLU saves its two inputs only (the stock MLP also keeps SiLU's output)
+    nomask: bool = True  # right-padded batches run without a mask: flash SDPA, native GQA, no bias tensor
+    expandable: bool = True  # expandable allocator segments (Linux): a flat allocator overhead instead of a share
 
     @property
     def tokens(self) -> int:
@@ -223,8 +237,8 @@ COMPONENT_LABELS = {
     "runtime": "runtime overhead (kernels)",
     "weights_4bit": "4-bit linear weights",
     "quant_constants": "quantization constants",
-    "embeddings_head": "embeddings + head (fp32)",
-    "norms": "norms (fp32)",
+    "embeddings_head": "embeddings + head",
+    "norms": "norms",
     "cublas": "cuBLAS workspaces",
     "lora_weights": "LoRA weights",
     "lora_grads": "LoRA gradients",
@@ -259,14 +273,21 @@ def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int) -> float:
     return 2.0 * param_bytes * sum(sizes)  # torch AdamW: exp_avg and exp_avg_sq like the parameter
 
 
+def residual_bytes(inp: PlanInput) -> int:
+    """Bytes per element of the residual stream: the compute dtype on the lean path, fp32 after peft's upcast."""
+    return DTYPE_BYTES[inp.compute_dtype] if inp.lean else 4
+
+
 def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool) -> float:
     """Bytes one decoder layer saves for backward, per token (GC off), bf16/fp16 autocast."""
     h, i, nh, nkv, hd = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
-    norms = 2 * (4 * h + 4)
-    attention = (8 * nh * hd if padded else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
-    if padded:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
+    rb = residual_bytes(inp)
+    norms = 2 * (rb * h + 4)
+    masked = padded and not inp.nomask
+    attention = (8 * nh * hd if masked else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
+    if masked:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
         attention += 2 * inp.seq
-    mlp = 3 * 4 * i
+    mlp = (2 if inp.fused_kernels else 3) * rb * i
     dims = shape.linear_dims()
     mask = 1 if inp.lora_dropout > 0 else 0
     lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in inp.targets)
@@ -292,8 +313,9 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     linear = shape.linear_params
     c["weights_4bit"] = linear / 2
     c["quant_constants"] = linear / 64 + 4 * linear / (64 * 256) if inp.double_quant else 4 * linear / 64
-    c["embeddings_head"] = 4.0 * shape.embedding_params
-    c["norms"] = 4.0 * shape.norm_params
+    rb = residual_bytes(inp)  # embeddings, head and norms: compute dtype (lean) or fp32 (prepare_model_for_kbit)
+    c["embeddings_head"] = float(rb * shape.embedding_params)
+    c["norms"] = float(rb * shape.norm_params)
     per_handle = CUBLAS_WORKSPACE_MIB["hopper" if tuple(inp.gpu_capability) >= (9, 0) else "older"]
     c["cublas"] = 2 * per_handle * 2**20
     sizes = lora_tensors(shape, inp)
@@ -305,32 +327,41 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     c["optimizer"] = 0.0 if paged else state
 
     per_layer = layer_activation_bytes_per_token(shape, inp, padded)
-    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if padded else 0)  # cos/sin, mask
-    kept_per_layer = 4 * h if inp.gradient_checkpointing else per_layer
-    kept = L * kept_per_layer * T + shared + 4 * h * T  # + the final norm's input
-    head_saved = 4 * h * N
+    masked = padded and not inp.nomask
+    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if masked else 0)  # cos/sin, mask
+    kept_per_layer = rb * h if inp.gradient_checkpointing else per_layer
+    kept = L * kept_per_layer * T + shared + rb * h * T  # + the final norm's input
+    head_saved = rb * h * N
     tile_tokens = min(N, LOGPROB_TOKEN_TILE)
-    head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute \
-        + min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
+    head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute
+    if not inp.lean:  # the fp32 head's slice and the fp32 hidden states are cast to the compute dtype per tile
+        head_tiles += min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
     # The phases where the peak can fall; the largest wins.
     zero = {"activations_kept": 0.0, "layer_recompute": 0.0, "logits_loss": 0.0, "backward_transient": 0.0,
             "upcast": 0.0}
     phases = {
-        # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
-        # moment the largest exists in both dtypes. With a big tied vocabulary and short sequences this is the peak.
-        "loading (fp32 upcast)": {**zero, "upcast": 2.0 * shape.vocab * h},
-        "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * T + 8 * 4 * N},
-        "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + 4 * h * N,
-                              "backward_transient": 4 * h * T},
+        "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * T + 8 * 4 * N},
+        "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * N,
+                              "backward_transient": rb * h * T},
         "the last layer's backward": {
             **zero, "activations_kept": kept,
             "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
-            "backward_transient": 2 * 4 * i * T + 2 * 4 * h * T + 2 * max(a * b for a, b in shape.linear_dims().values())},
+            "backward_transient": 2 * rb * i * T + 2 * rb * h * T
+            + 2 * max(a * b for a, b in shape.linear_dims().values())},
     }
+    if not inp.lean:
+        # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
+        # moment the largest exists in both dtypes. With a big tied vocabulary and short sequences this is the peak.
+        phases["loading (fp32 upcast)"] = {**zero, "upcast": 2.0 * shape.vocab * h}
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     c.update({k: float(v) for k, v in phases[phase].items()})
     dynamic = sum(phases[phase].values())
-    c["allocator"] = dynamic * (ALLOCATOR_OVERHEAD_GC if inp.gradient_checkpointing else ALLOCATOR_OVERHEAD_NO_GC)
+    if inp.expandable:
+        c["allocator"] = EXPANDABLE_OVERHEAD_GIB * GIB
+    else:
+        share = (ALLOCATOR_OVERHEAD_GC_LEAN if inp.lean else ALLOCATOR_OVERHEAD_GC) if inp.gradient_checkpointing \
+            else ALLOCATOR_OVERHEAD_NO_GC
+        c["allocator"] = dynamic * share
     order = list(COMPONENT_LABELS)
     result = Plan(inp, shape, {k: c[k] for k in order}, phase, budget_gib)
     if shape.max_positions and inp.seq > shape.max_positions:
@@ -431,11 +462,16 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
     dtype = compute_dtype_for(capability) if cfg.compute_dtype == "auto" else cfg.compute_dtype
     if capability < (8, 0) and dtype == "bfloat16":
         dtype = "float16"
+    from .fastpath import gpu_options, kernels_installed
+
+    fast = gpu_options()  # the GPU path's levers, as NB_FASTPATH leaves them
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
                     targets=targets, gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim,
                     compute_dtype=dtype, double_quant=cfg.double_quant, lora_dropout=cfg.lora_dropout,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
-                    gpu_capability=capability)
+                    gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
+                    fused_kernels=fast.kernels and kernels_installed(),
+                    expandable=fast.expandable and platform.system() == "Linux")
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 

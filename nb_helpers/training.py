@@ -27,7 +27,8 @@ from .task_metric import evaluate_task
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and kernel selection; timing ignores them
 
 
-def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval: bool = True):
+def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval: bool = True,
+               selective_gc: bool = False):
     """Every training knob of the config as TRL's SFTConfig. Notebook 03 prints it."""
     import torch
     from trl import SFTConfig
@@ -44,7 +45,7 @@ def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval:
         max_grad_norm=cfg.max_grad_norm,
         optim=cfg.optim,
         gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        gradient_checkpointing_kwargs={"use_reentrant": False, **({"selective": True} if selective_gc else {})},
         num_train_epochs=cfg.num_train_epochs,
         max_steps=cfg.max_steps,
         max_length=cfg.max_length,
@@ -69,16 +70,32 @@ def sft_config(cfg: RunConfig, run_dir: Path, text_rows: bool = False, has_eval:
     )
 
 
-def attach_lora(model, cfg: RunConfig):
-    """prepare_model_for_kbit_training + get_peft_model: the same two calls notebook 02 shows."""
+def attach_lora(model, cfg: RunConfig, fast=None):
+    """The lean prepare + get_peft_model (+ the fast path's kernels and mask drop on a GPU), as notebook 02 shows.
+
+    On a GPU the default is the lean prepare (nb_helpers.fastpath): the base frozen and 16-bit, as the recipe
+    runs on the plain stack. peft's prepare_model_for_kbit_training upcast embeddings, head and norms to
+    fp32, which made the residual stream and every checkpoint fp32: 1.03 GiB more at 8 x 512 tokens on the H200, at
+    the same speed and losses (bench/NOTES.md). NB_FASTPATH=lean=0 brings it back; the CPU path keeps it."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    from .fastpath import FastOptions, apply_fused_kernels, install_mask_drop, lean_prepare
+
+    fast = fast or FastOptions.from_env()
     check_targets(model, cfg.target_modules)
-    if cfg.load_in_4bit:
+    if cfg.load_in_4bit and not fast.lean:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
-    return get_peft_model(model, lora_config(cfg))
+    elif cfg.load_in_4bit:
+        model = lean_prepare(model)
+    if fast.kernels:
+        apply_fused_kernels(model)
+    model = get_peft_model(model, lora_config(cfg))
+    if fast.nomask:
+        install_mask_drop(model)
+    model._nb_fast = fast
+    return model
 
 
 def device_label() -> str:
@@ -125,14 +142,20 @@ def build_trainer(cfg: RunConfig, model, tokenizer, train_rows, eval_rows, run_d
     metrics_cb = MetricsCallback(run_dir / "metrics.jsonl", listeners=listeners)
     trainer = SFTTrainer(
         model=model,
-        args=sft_config(cfg, run_dir, text_rows=text_rows, has_eval=bool(eval_rows)),
+        args=sft_config(cfg, run_dir, text_rows=text_rows, has_eval=bool(eval_rows),
+                        selective_gc=bool(getattr(getattr(model, "_nb_fast", None), "selective_gc", False))),
         train_dataset=to_dataset(train_rows),
         eval_dataset=to_dataset(eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         callbacks=[metrics_cb],
     )
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
-    if resolve_compute_dtype(cfg.compute_dtype) != "bfloat16":
+    fast = getattr(model, "_nb_fast", None)
+    if fast is not None and fast.nomask:
+        from .fastpath import guard_collator
+
+        trainer.data_collator = guard_collator(trainer.data_collator, model)
+    if resolve_compute_dtype(cfg.compute_dtype) != "bfloat16" or (fast is not None and fast.adapters_fp32):
         # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
         # gradients, so fp16 runs (Turing: GTX 1650, T4) crashed at the first step; they need fp32 master weights.
         # The optimizer is created in train(), so it sees the fp32 parameters.
@@ -337,6 +360,10 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     cuda = torch.cuda.is_available()
     if cuda:
         record_nvml_baseline(int(os.environ.get("LOCAL_RANK", "0")))  # before this process creates a context
+        from .fastpath import FastOptions, use_expandable_segments
+
+        if FastOptions.from_env().expandable:
+            extra["expandable_segments"] = use_expandable_segments()
 
     # Everything that can be wrong with the settings or the data is found before the weights load.
     choice = resolve_model(cfg, verbose=verbose)

@@ -1,0 +1,380 @@
+"""Throughput and memory of the reference recipe (plain transformers + peft + TRL, verbatim) against our default GPU
+path, on one CUDA GPU, under the same emulated card budget (CUDA context included). Each run is a fresh process.
+
+Model: the TinyLlama-1.1B shape with random weights (bench/build_tinyllama_shape.py: same bytes and FLOPs per
+token; the loss is meaningless as a score, but the same data and seed give the same loss curve to both recipes).
+Workloads, all at effective batch 8 sequences:
+  w512     8 x 512 tokens (rows 1-16 tokens shy of the length, so micro-batches above 1 carry padding)
+  w2048    8 x 2048 tokens (the same); the busy share of the GPU is profiled here (torch.profiler)
+  shipped  data/train.jsonl (about 110 tokens a row, loss on the answers only)
+
+For each workload: the reference (1 x 8, GC, paged_adamw_8bit, r=8 on q,k,v,o, no prepare_model_for_kbit_training),
+our path at the reference's own settings (1 x 8, GC: the memory comparison) and our default (auto-fit picks the
+micro-batch for the budget, keeping the effective batch). --levers adds one run per speed lever, each alone.
+Reported: median step seconds over the steps after warm-up, non-padding tokens/s, the ratio to the reference,
+peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses.
+
+    python bench/throughput.py                       # writes bench/results/throughput.json, prints a table
+    python bench/throughput.py --workloads w512 --levers --out /tmp/t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+WARMUP = 3
+QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
+WORKLOADS = {"w512": 512, "w2048": 2048, "shipped": 512}
+
+
+def main_runs(workload: str, steps: int) -> list[dict]:
+    """Reference, our default (auto-fit) and, for the memory comparison, our path at the reference's settings."""
+    loss_steps = max(steps, 20 + WARMUP) if workload == "shipped" else steps  # 20 losses to compare
+    ref = dict(workload=workload, recipe="reference", batch=1, accum=8, gc=True, steps=loss_steps)
+    runs = [dict(ref, name="reference"), dict(ref, name="ours", recipe="ours", auto_fit=True)]
+    if workload == "w2048":  # the profiled last step is not timed: one more step keeps 10 timed
+        for run in runs:
+            run.update(profile=True, steps=run["steps"] + 1)
+    if workload != "shipped":  # memory at the reference's own settings; 5 steps reach the steady peak
+        runs.append(dict(ref, name="ours-1x8", recipe="ours", steps=5))
+    return runs
+
+
+def lever_runs(steps: int) -> list[dict]:
+    """Each lever alone, at a fixed micro-batch (no auto-fit), most informative first."""
+    def run(workload, name, batch, accum, **extra):
+        return {**dict(workload=workload, recipe="ours", name=name, batch=batch, accum=accum, gc=True, steps=steps),
+                **extra}
+
+    return [
+        # second device call: each lever added alone on top of the previous one, at 8 x 1
+        run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0,expandable=0"),
+        run("w512", "lean+nomask-8x1", 8, 1, fast="kernels=0,expandable=0"),
+        run("w512", "lean+nomask+kernels-8x1", 8, 1, fast="expandable=0"),
+        run("w512", "all-8x1", 8, 1),
+        run("shipped", "all-8x1", 8, 1),
+        run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
+        # first device call (before the expandable-segments lever existed)
+        run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
+        run("w512", "lean-8x1-call1", 8, 1, fast="kernels=0,nomask=0"),
+        run("w2048", "all-4x2-selective-gc", 4, 2, fast="selective_gc=1"),
+        run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
+        run("w2048", "lean-4x2", 4, 2, fast="kernels=0,nomask=0"),
+        run("w512", "all-8x1-fp32-adapters", 8, 1, fast="adapters_fp32=1"),
+    ]
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+def prepare_data(workload: str, model_dir: Path, work: Path, rows: int) -> Path:
+    path = work / f"{workload}.jsonl"
+    if path.exists():
+        return path
+    if workload == "shipped":
+        from nb_helpers.data import normalize_row
+
+        with open(path, "w", encoding="utf-8") as f:
+            for line in (ROOT / "data" / "train.jsonl").read_text(encoding="utf-8").splitlines():
+                f.write(json.dumps(normalize_row(json.loads(line))) + "\n")
+        return path
+    from planner_grid import write_rows
+    from transformers import AutoTokenizer
+
+    write_rows(AutoTokenizer.from_pretrained(model_dir), path, rows, WORKLOADS[workload], seed=WORKLOADS[workload])
+    return path
+
+
+# --- workers (each in its own process) --------------------------------------------------------------------------
+class Recorder:
+    """Per optimizer step: wall time (synchronized), non-padding tokens, NVML device used, reserved, loss."""
+
+    def __init__(self, spec: dict):
+        self.spec, self.records, self.prof, self.prof_start = spec, [], None, None
+        self.profile_from = WARMUP + (spec["steps"] - WARMUP) if spec.get("profile") else None
+
+    def step_done(self, record: dict) -> None:
+        import torch
+
+        self.records.append(record)
+        if self.profile_from is None:
+            return
+        if len(self.records) == self.profile_from - 1 and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.start()
+            self.prof_start = time.perf_counter()
+        elif len(self.records) == self.profile_from and self.prof is not None and self.prof_start is not None:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.prof_start
+            self.prof.stop()
+            self.busy = busy_share(self.prof, wall)
+            self.prof_start = None
+
+
+def busy_share(prof, wall_s: float) -> dict:
+    """Union of GPU kernel and copy intervals over the wall time of the profiled step."""
+    intervals = []
+    try:
+        for e in prof.profiler.kineto_results.events():
+            if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
+                intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    except Exception:  # noqa: BLE001 - older/newer profiler API
+        from torch.autograd import DeviceType
+
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                intervals.append((e.time_range.start * 1000, e.time_range.end * 1000))
+    intervals.sort()
+    busy, end = 0, None
+    for a, b in intervals:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return {"busy_s": busy / 1e9, "wall_s": wall_s, "busy_share": busy / 1e9 / wall_s if wall_s else None,
+            "gpu_events": len(intervals)}
+
+
+def reference_worker(spec: dict) -> dict:
+    """The recipe as written, on the plain stack: nothing from nb_helpers touches the model or the trainer; only
+    the budget cap and the measurement (the same as ours) come from it."""
+    from nb_helpers.metrics import memory_snapshot, record_nvml_baseline
+
+    record_nvml_baseline(0)
+    from nb_helpers.memory import enforce_budget
+
+    budget = enforce_budget(spec["budget"])
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.bfloat16, device_map={"": 0},
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    peft_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=QKVO, task_type="CAUSAL_LM")
+    args = SFTConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=spec["batch"],
+                     gradient_accumulation_steps=spec["accum"], gradient_checkpointing=spec["gc"],
+                     optim="paged_adamw_8bit", learning_rate=2e-4, max_grad_norm=0.3, lr_scheduler_type="linear",
+                     bf16=True, max_length=spec["seq"], max_steps=spec["steps"], logging_steps=1, seed=42,
+                     save_strategy="no", report_to="none", disable_tqdm=True,
+                     include_num_input_tokens_seen="non_padding")  # counting only, as our path counts
+    recorder = Recorder(spec)
+
+    class Measure(TrainerCallback):
+        def __init__(self):
+            self.t, self.tokens, self.pending = None, 0, None
+
+        def on_train_begin(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            tokens = state.num_input_tokens_seen - self.tokens
+            self.tokens = state.num_input_tokens_seen
+            self.pending = {"step": state.global_step, "step_s": now - self.t, "tokens": tokens, **memory_snapshot()}
+            self.t = now
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs and self.pending:
+                recorder.step_done({**self.pending, "loss": logs["loss"]})
+                self.pending = None  # timed from step end to step end, logging included, as our MetricsCallback
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=spec["data"],
+                                                                            split="train"),
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=[Measure()])
+    trainer.train()
+    return {"records": recorder.records, "busy": getattr(recorder, "busy", None), "context_gib": budget.context_gib,
+            "settings": {"micro_batch": spec["batch"], "accum": spec["accum"], "gc": spec["gc"]}}
+
+
+def ours_worker(spec: dict) -> dict:
+    """Our default path: `nb_helpers.training.train`, exactly as `python -m nb_helpers train` runs it."""
+    from nb_helpers.config import RunConfig
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    work = Path(tempfile.mkdtemp())
+    cfg = RunConfig(model=spec["model"], train_file=spec["data"], eval_file=None, task_eval_samples=0,
+                    max_length=spec["seq"], micro_batch_size=spec["batch"], grad_accum=spec["accum"],
+                    gradient_checkpointing=spec["gc"], max_steps=spec["steps"], save_steps=10_000,
+                    budget_gib=spec["budget"], auto_fit=spec.get("auto_fit", False), compute_dtype="bfloat16",
+                    lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
+    recorder = Recorder(spec)
+
+    def listen(record):
+        if "loss" in record:
+            recorder.step_done(record)
+
+    run = train(cfg, listeners=[listen], verbose=True)
+    chosen = json.loads((run / "config.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    return {"records": [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r],
+            "busy": getattr(recorder, "busy", None), "context_gib": summary.get("cuda_context_gib"),
+            "predicted_peak_gib": summary.get("predicted_peak_gib"),
+            "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
+                         "gc": chosen["gradient_checkpointing"]}}
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("fast") is not None:
+        os.environ["NB_FASTPATH"] = spec["fast"]
+    result = (reference_worker if spec["recipe"] == "reference" else ours_worker)(spec)
+    Path(out_path).write_text(json.dumps(result))
+
+
+# --- driver -----------------------------------------------------------------------------------------------------
+def summarize(spec: dict, result: dict) -> dict:
+    records = result["records"]
+    timed = records[WARMUP:spec["steps"] - (1 if spec.get("profile") else 0)]
+    step_s = statistics.median(r["step_s"] for r in timed) if timed else None
+    tokens = statistics.median(r["tokens"] for r in timed) if timed else None
+    device = [r["device_used_gib"] for r in records if r.get("device_used_gib") is not None]
+    reserved = [r["torch_peak_gib"] for r in records if r.get("torch_peak_gib") is not None]
+    allocated = [r["torch_peak_allocated_gib"] for r in records if r.get("torch_peak_allocated_gib") is not None]
+    return {"tokens_per_s": tokens / step_s if step_s and tokens else None, "median_step_s": step_s,
+            "timed_steps": len(timed), "tokens_per_step": tokens,
+            "peak_device_gib": max(device) if device else None, "peak_reserved_gib": max(reserved) if reserved else None,
+            "peak_allocated_gib": max(allocated) if allocated else None, "losses": [round(r["loss"], 4) for r in records], **result.get("settings", {}),
+            "busy": result.get("busy"), "context_gib": result.get("context_gib"),
+            "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
+            "dropout": spec.get("dropout", 0.05)}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "liger-kernel", "triton"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="w512,w2048,shipped")
+    parser.add_argument("--levers", action="store_true", help="also run each speed lever alone (8 x 1)")
+    parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
+    parser.add_argument("--steps", type=int, default=WARMUP + 10)
+    parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "throughput.json"))
+    parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
+    parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds")
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(*args.worker)
+        return
+
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/throughput.py needs a CUDA GPU")
+    start = time.time()
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        from build_tinyllama_shape import build
+
+        build("tinyllama-1.1b", str(model_dir), ROOT / "data", max_positions=4096)  # the grid's long points too
+    work = Path(tempfile.mkdtemp(prefix="throughput-"))
+    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "versions": versions(),
+           "budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
+           "warmup_steps": WARMUP, "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           "workloads": {}}
+    try:
+        import subprocess as sp
+
+        out["driver"] = sp.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    keep = set(args.only.split(",")) if args.only else None
+    workloads = args.workloads.split(",")
+    plan = [spec for workload in workloads for spec in main_runs(workload, args.steps)]
+    if args.levers:
+        plan += [spec for spec in lever_runs(args.steps) if spec["workload"] in workloads]
+    for spec in plan:
+        workload = spec["workload"]
+        seq = WORKLOADS[workload]
+        entry = out["workloads"].setdefault(workload, {"seq": seq, "effective_batch": 8, "runs": {}})
+        if keep and spec["name"] not in keep:
+            continue
+        if time.time() - start > args.deadline_s:
+            print(f"[throughput] deadline: {workload}/{spec['name']} not run", flush=True)
+            entry["runs"][spec["name"]] = {"recipe": spec["recipe"], "not_run": "device-call deadline"}
+            continue
+        spec.update(seq=seq, budget=args.budget, model=str(model_dir),
+                    data=str(prepare_data(workload, model_dir, work, rows=8 * max(args.steps, 23))))
+        spec_path, result_path = work / f"{workload}-{spec['name']}.json", work / f"{workload}-{spec['name']}.out"
+        spec_path.write_text(json.dumps(spec))
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                               str(result_path)], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
+        if result_path.exists():
+            row.update(summarize(spec, json.loads(result_path.read_text())))
+        if proc.returncode != 0:
+            row["error_tail"] = (proc.stderr or proc.stdout)[-2000:]
+        fast_lines = [l for l in proc.stdout.splitlines() if l.startswith(("[fast]", "[auto-fit]"))]
+        if fast_lines:
+            row["log"] = fast_lines
+        entry["runs"][spec["name"]] = row
+        ref = entry["runs"].get("reference", {}).get("tokens_per_s")
+        if ref and row.get("tokens_per_s"):
+            row["ratio_to_reference"] = row["tokens_per_s"] / ref
+        print(f"[throughput] {workload:<8}{spec['name']:<24}{row.get('micro_batch', '?')}x{row.get('accum', '?')} "
+              f"{row.get('median_step_s') or float('nan'):7.3f} s/step {row.get('tokens_per_s') or 0:8.0f} tok/s "
+              f"x{row.get('ratio_to_reference') or float('nan'):5.2f} dev {row.get('peak_device_gib') or float('nan'):.2f}"
+              f" GiB rc={proc.returncode} {row['wall_s']}s", flush=True)
+        if proc.returncode != 0:
+            print("    " + row["error_tail"][-600:].replace("\n", "\n    "), flush=True)
+        entry["reference"], entry["ours"] = entry["runs"].get("reference"), entry["runs"].get("ours")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print_table(out)
+
+
+def print_table(out: dict) -> None:
+    print(f"\n{out['gpu']} | budget {out['budget_gib']} GiB incl. context | {out['date']}")
+    print(f"{'workload':<9}{'run':<28}{'mbxacc':>7}{'s/step':>8}{'tok/s':>8}{'x ref':>6}{'dev GiB':>8}{'res GiB':>8}"
+          f"{'busy':>6}  losses")
+    for workload, entry in out["workloads"].items():
+        for name, r in entry["runs"].items():
+            busy = (r.get("busy") or {}).get("busy_share")
+            print(f"{workload:<9}{name:<28}{str(r.get('micro_batch', '?')) + 'x' + str(r.get('accum', '?')):>7}"
+                  f"{r.get('median_step_s') or float('nan'):8.3f}{r.get('tokens_per_s') or 0:8.0f}"
+                  f"{r.get('ratio_to_reference') or float('nan'):6.2f}{r.get('peak_device_gib') or float('nan'):8.2f}"
+                  f"{r.get('peak_reserved_gib') or float('nan'):8.2f}{busy if busy is not None else float('nan'):6.2f}"
+                  f"  {' '.join(f'{x:.2f}' for x in (r.get('losses') or [])[:4])}")
+
+
+if __name__ == "__main__":
+    main()

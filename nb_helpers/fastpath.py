@@ -1,0 +1,227 @@
+"""The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
+
+Three changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
+
+  * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
+    helper casts the embeddings, the head and every norm to fp32, and an fp32 embedding makes the whole residual
+    stream fp32, so every checkpointed activation doubles. The recipe as written (the plain stack) never calls
+    it; TRL enables the input gradients that checkpointing needs.
+  * fused kernels (liger-kernel, Triton): RMSNorm, SwiGLU and RoPE as one kernel each instead of several
+    elementwise launches; fewer saved tensors too. Not its fused cross-entropy: TRL's own chunked log-prob loss
+    already never builds the logits, and TRL refuses liger's. Where Triton cannot run (CPU, no triton, a
+    kernel that fails its smoke test), the stock layers stay and one line says so.
+  * no attention mask for right-padded batches: TRL's collator pads on the right, and a causal model's real
+    tokens never attend to later positions, so the mask changes nothing for them (pad positions carry no label).
+    Without a mask, SDPA runs its flash kernel with native grouped-query attention instead of the
+    memory-efficient kernel over keys and values repeated to every head plus a (batch, 1, seq, seq) bias.
+
+`NB_FASTPATH` switches levers for benchmarks without touching the config: "lean=0,kernels=0,nomask=0".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ENV_VAR = "NB_FASTPATH"
+_SAID: set[str] = set()
+
+
+def say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, flush=True)
+
+
+@dataclass
+class FastOptions:
+    lean: bool = True  # no fp32 upcast of embeddings, head and norms (prepare_model_for_kbit_training); GPU only
+    kernels: bool = True  # liger-kernel RMSNorm, SwiGLU, RoPE on CUDA with Triton; stock layers elsewhere
+    nomask: bool = True  # right-padded training batches run without an attention mask (flash SDPA, native GQA); GPU
+    adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
+    selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
+    expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
+
+    @classmethod
+    def from_env(cls, **overrides) -> "FastOptions":
+        """Defaults, then NB_FASTPATH ("kernels=0,nomask=1"), then keyword overrides. Without a GPU the lean
+        prepare and the mask drop are off by default: the CPU path keeps the code its measured results were made with."""
+        import torch
+
+        gpu = torch.cuda.is_available()
+        values = {"lean": gpu, "nomask": gpu, "expandable": gpu}
+        for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
+            key, _, value = item.partition("=")
+            if key not in {f.name for f in fields(cls)}:
+                raise ValueError(f"{ENV_VAR}: unknown lever {key!r}; known: {', '.join(f.name for f in fields(cls))}")
+            values[key] = value.strip().lower() in {"1", "true", "yes", "on", ""}
+        values.update(overrides)
+        return cls(**values)
+
+
+def gpu_options() -> FastOptions:
+    """The levers a GPU run uses (the planner plans for a GPU even on a machine without one)."""
+    return FastOptions.from_env(**{k: v for k, v in vars(FastOptions()).items() if k not in _env_keys()})
+
+
+def _env_keys() -> set[str]:
+    return {item.partition("=")[0].strip() for item in os.environ.get(ENV_VAR, "").split(",") if item.strip()}
+
+
+def kernels_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None and importlib.util.find_spec("triton") is not None
+
+
+def lean_prepare(model):
+    """What QLoRA training needs from the base model and nothing more: every base weight frozen, nothing
+    upcast. Embeddings, head and norms keep the compute dtype the model was loaded in, so the residual stream
+    (and every activation checkpoint) is 16-bit, as in the plain recipe."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def use_expandable_segments() -> bool:
+    """Let PyTorch's caching allocator grow segments in place (`expandable_segments:True`) instead of caching blocks
+    of every size it has seen. Micro-batches whose length changes from step to step otherwise leave freed blocks
+    that fit nothing (measured: reserved - allocated was 0.48 GiB at 8 x 512 tokens). Linux + CUDA only; the
+    per-process memory cap (the emulated budget) still applies. Returns whether it is on."""
+    import platform
+
+    import torch
+
+    if not torch.cuda.is_available() or platform.system() != "Linux":
+        return False
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in setting:  # the user chose; respect it
+        return "expandable_segments:true" in setting.replace(" ", "").lower()
+    try:
+        import warnings
+
+        with warnings.catch_warnings():  # torch 2.11 names a newer private spelling; this one is the one we measured
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except Exception as e:  # noqa: BLE001 - a private API: if it moves, train as before
+        say_once("expandable", f"[fast] expandable allocator segments unavailable ({e}); using the default allocator")
+        return False
+    return True
+
+
+# --- fused kernels ---------------------------------------------------------------------------------------------
+def kernels_unavailable_reason(model) -> str | None:
+    """Why liger's kernels cannot run here, or None when they can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if getattr(getattr(model, "config", None), "model_type", None) != "llama":
+        return f"no fused kernels wired for model type {getattr(model.config, 'model_type', '?')!r}"
+    try:
+        import triton  # noqa: F401
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a Triton that fails to import on this platform
+        return (f"liger-kernel is not importable ({type(e).__name__}: {e}); `pip install -r requirements-gpu.txt` "
+                "adds it")
+    try:
+        return _smoke_test(next(p for p in model.parameters()).device)
+    except Exception as e:  # noqa: BLE001 - an old GPU or a broken Triton: fall back, do not crash the lesson
+        return f"the fused kernels failed their smoke test on this GPU ({type(e).__name__}: {str(e)[:120]})"
+
+
+def _smoke_test(device) -> str | None:
+    """One tiny forward and backward of each fused kernel against the stock formula."""
+    import torch
+    from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction
+
+    from .environment import resolve_compute_dtype
+
+    dtype = getattr(torch, resolve_compute_dtype("auto"))
+    x = torch.randn(4, 64, device=device, dtype=dtype, requires_grad=True)
+    w = torch.ones(64, device=device, dtype=dtype)
+    y = LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True, None)
+    ref = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
+    a, b = torch.randn(2, 4, 64, device=device, dtype=dtype).unbind(0)
+    z = LigerSiLUMulFunction.apply(a.clone(), b.clone(), 1.0, 1.0)
+    z_ref = torch.nn.functional.silu(a.float()).to(dtype) * b
+    y.sum().backward()
+    torch.cuda.synchronize(device)
+    bad = [n for n, got, want in (("RMSNorm", y, ref), ("SwiGLU", z, z_ref))
+           if not torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)]
+    return f"fused {', '.join(bad)} disagreed with the stock layer" if bad else None
+
+
+def apply_fused_kernels(model, verbose: bool = True) -> bool:
+    """liger-kernel's RMSNorm, SwiGLU and RoPE on this model instance (not its fused loss). Returns whether they
+    were applied; otherwise the stock layers stay and one line says why."""
+    reason = kernels_unavailable_reason(model)
+    if reason is not None:
+        if verbose:
+            say_once("kernels", f"[fast] fused kernels off: {reason}; using the stock PyTorch layers (same math)")
+        return False
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    # With model=..., liger patches this instance's modules; it also swaps two module-level classes, which we put
+    # back so models built later in this process are not changed behind the user's back. RoPE is a function that
+    # the attention layer looks up at call time, so it stays patched (it computes the same rotation).
+    classes = modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=False, model=model)
+    modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes
+    if verbose:
+        say_once("kernels-on", "[fast] fused Triton kernels (liger-kernel) for RMSNorm, SwiGLU and RoPE")
+    return True
+
+
+# --- no mask for right-padded batches ---------------------------------------------------------------------------
+def _decoder(model):
+    """The LlamaModel-like decoder inside a (peft-wrapped) causal LM."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, getattr(base, "base_model_prefix", "model"), base)
+
+
+def install_mask_drop(model) -> None:
+    """In training mode, the decoder ignores a 2-D attention mask that only marks right padding. build_trainer
+    checks every training batch on the CPU (no device sync) and turns this off for good if one is not
+    right-padded. Evaluation and generation (left-padded prompts) never enter it: model.training is False."""
+    decoder = _decoder(model)
+    if getattr(decoder, "_nb_mask_drop", None) is not None:
+        return
+    decoder._nb_mask_drop = True
+
+    def drop(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if module.training and module._nb_mask_drop and mask is not None and mask.dim() == 2 \
+                and kwargs.get("past_key_values") is None:
+            kwargs["attention_mask"] = None
+            return args, kwargs
+        return None
+
+    decoder.register_forward_pre_hook(drop, with_kwargs=True)
+
+
+def is_right_padded(mask) -> bool:
+    """Each row is ones then zeros (CPU tensor)."""
+    import torch
+
+    lengths = mask.sum(-1, keepdim=True)
+    return bool(torch.equal(mask.bool(), torch.arange(mask.shape[-1]) < lengths))
+
+
+def guard_collator(collator, model):
+    """Wrap the training collator: a batch that is not right-padded switches the mask drop off (said once)."""
+    decoder = _decoder(model)
+
+    def collate(examples):
+        batch = collator(examples)
+        mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+        if getattr(decoder, "_nb_mask_drop", False) and mask is not None and mask.dim() == 2 \
+                and mask.device.type == "cpu" and not is_right_padded(mask):
+            decoder._nb_mask_drop = False
+            say_once("mask", "[fast] a training batch is not right-padded: attention masks are kept from now on")
+        return batch
+
+    return collate

@@ -1,0 +1,191 @@
+"""The GPU fast path's pieces that a CPU can check: lever switches, the clean kernel fallback, the lean prepare, and
+that dropping the mask of a right-padded batch changes no loss. GPU checks (same losses as the plain recipe, fp16)
+are marked gpu."""
+
+import json
+
+import pytest
+
+from nb_helpers import fastpath
+from nb_helpers.fastpath import FastOptions
+
+
+def test_levers_from_the_environment(monkeypatch):
+    monkeypatch.setenv(fastpath.ENV_VAR, "kernels=0, nomask=1,lean")
+    opts = FastOptions.from_env()
+    assert (opts.kernels, opts.nomask, opts.lean) == (False, True, True)
+    monkeypatch.setenv(fastpath.ENV_VAR, "turbo=1")
+    with pytest.raises(ValueError, match="unknown lever 'turbo'"):
+        FastOptions.from_env()
+    monkeypatch.setenv(fastpath.ENV_VAR, "lean=0")
+    assert fastpath.gpu_options().lean is False and fastpath.gpu_options().nomask is True
+
+
+def test_cpu_defaults_keep_the_cpu_path(monkeypatch):
+    monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
+    opts = FastOptions.from_env()
+    assert not opts.lean and not opts.nomask  # no GPU here: the CPU path is unchanged
+    assert fastpath.gpu_options().lean and fastpath.gpu_options().nomask  # what the planner plans for a GPU
+
+
+def _tiny(tiny_cfg, fast):
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.training import attach_lora
+
+    return attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg, fast=fast)
+
+
+def test_kernels_fall_back_cleanly_and_say_so_once(tiny_cfg, capsys, monkeypatch):
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
+    _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
+    out = capsys.readouterr().out
+    assert out.count("[fast] fused kernels off: no CUDA GPU; using the stock PyTorch layers") == 1
+    assert type(model.get_base_model().model.layers[0].mlp).__name__ == "LlamaMLP"
+
+
+def test_lean_prepare_keeps_16_bit_weights_and_freezes_the_base(tiny_cfg):
+    import torch
+
+    model = _tiny(tiny_cfg.replace(compute_dtype="bfloat16"), FastOptions(lean=True, kernels=False, nomask=False))
+    base = model.get_base_model()
+    assert base.model.embed_tokens.weight.dtype == torch.bfloat16 and base.lm_head.weight.dtype == torch.bfloat16
+    assert base.model.norm.weight.dtype == torch.bfloat16
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    upcast = _tiny(tiny_cfg.replace(compute_dtype="bfloat16"), FastOptions(lean=False, kernels=False, nomask=False))
+    assert upcast.get_base_model().model.norm.weight.dtype == torch.float32  # what prepare_model_for_kbit does
+
+
+def test_dropping_the_mask_of_right_padded_batches_changes_no_loss(tiny_cfg):
+    import torch
+
+    model = _tiny(tiny_cfg.replace(compute_dtype="float32", lora_dropout=0.0),
+                  FastOptions(lean=True, kernels=False, nomask=True))
+    model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (3, 24))
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0
+    mask[2, 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    decoder = fastpath._decoder(model)
+    assert decoder._nb_mask_drop
+    dropped = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    decoder._nb_mask_drop = False
+    kept = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.allclose(dropped, kept, rtol=1e-5, atol=1e-6), (dropped, kept)
+
+
+def test_a_left_padded_training_batch_switches_the_mask_drop_off(tiny_cfg, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    model = _tiny(tiny_cfg, FastOptions(lean=False, kernels=False, nomask=True))
+    right = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
+    left = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
+    batches = iter([right, left])
+    collate = fastpath.guard_collator(lambda examples: next(batches), model)
+    collate([])
+    assert fastpath._decoder(model)._nb_mask_drop
+    collate([])
+    assert not fastpath._decoder(model)._nb_mask_drop
+    assert "not right-padded: attention masks are kept" in capsys.readouterr().out
+
+
+def test_planner_follows_the_levers(tiny_cfg, monkeypatch):
+    from nb_helpers.planner import load_shape, plan_for_config
+
+    shape = load_shape(tiny_cfg.model)
+    monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
+    lean = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
+    monkeypatch.setenv(fastpath.ENV_VAR, "lean=0,nomask=0,kernels=0")
+    old = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
+    assert lean.inputs.lean and not old.inputs.lean
+    assert old.components["embeddings_head"] == 2 * lean.components["embeddings_head"]
+    json.dumps(lean.to_dict())
+
+
+# --- on the GPU ----------------------------------------------------------------------------------------------
+def _plain_recipe_losses(model_dir, rows_file, steps, tmp_path, dtype="bfloat16"):
+    """The recipe on the plain stack (transformers + peft + TRL, no prepare_model_for_kbit_training), 1 x 8."""
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    compute = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=compute, device_map={"": 0},
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute))
+    args = SFTConfig(output_dir=str(tmp_path / "plain"), per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                     gradient_checkpointing=True, optim="paged_adamw_8bit", learning_rate=1e-3, max_grad_norm=0.3,
+                     bf16=True, max_length=192, max_steps=steps, logging_steps=1, seed=42, save_strategy="no",
+                     report_to="none", disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=str(rows_file),
+                                                                            split="train"),
+                         processing_class=AutoTokenizer.from_pretrained(model_dir),
+                         peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05,
+                                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                task_type="CAUSAL_LM"))
+    trainer.train()
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+@pytest.mark.gpu
+def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, capsys):
+    """Same data, seed and effective batch: our default GPU path (lean, fused kernels, no mask, 8 x 1) against the
+    plain recipe at 1 x 8. The losses agree within bf16 noise at every one of the first 20 steps."""
+    from nb_helpers.data import normalize_row
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    rows_file = tmp_path / "rows.jsonl"
+    lines = (tiny_cfg.resolve_path("data/train.jsonl")).read_text(encoding="utf-8").splitlines()[:160]
+    rows_file.write_text("".join(json.dumps(normalize_row(json.loads(line))) + "\n" for line in lines))
+    ours_run = train(tiny_cfg.replace(train_file=str(rows_file), max_train_samples=None, micro_batch_size=8,
+                                      grad_accum=1, max_steps=20, task_eval_samples=0, eval_file=None,
+                                      compute_dtype="bfloat16"), verbose=True)
+    assert "[fast] fused Triton kernels (liger-kernel)" in capsys.readouterr().out
+    ours = [r["loss"] for r in read_metrics(ours_run / "metrics.jsonl") if "loss" in r]
+    plain = _plain_recipe_losses(tiny_cfg.model, rows_file, 20, tmp_path)
+    assert len(ours) == len(plain) == 20
+    diffs = [abs(a - b) / b for a, b in zip(ours, plain)]
+    assert max(diffs) < 0.02, list(zip(ours, plain))
+    assert ours[-1] < ours[0] - 0.1  # and it learns
+
+
+@pytest.mark.gpu
+def test_fp16_fast_path_trains_with_fp32_adapters(tiny_cfg):
+    """Turing (GTX 1650): fp16 autocast on the lean path, fused kernels in fp16, adapters in fp32 for GradScaler."""
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    run_dir = train(tiny_cfg.replace(compute_dtype="float16", max_steps=4, task_eval_samples=0, eval_file=None),
+                    verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["compute_dtype"] == "float16"
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert all(loss == loss and loss < 100 for loss in losses)
+
+
+@pytest.mark.gpu
+def test_the_budget_cap_holds_with_expandable_segments():
+    """The emulated card (set_per_process_memory_fraction) must still refuse memory past the budget when the
+    allocator grows expandable segments."""
+    import torch
+
+    from nb_helpers.fastpath import use_expandable_segments
+    from nb_helpers.memory import enforce_budget
+
+    assert use_expandable_segments()
+    try:
+        budget = enforce_budget(2.0)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int((budget.allocator_cap_gib + 0.25) * 2**30), dtype=torch.uint8, device="cuda")
+        fits = torch.empty(int((budget.allocator_cap_gib - 0.5) * 2**30), dtype=torch.uint8, device="cuda")
+        del fits
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
