@@ -136,7 +136,7 @@ def _smoke_test(device) -> str | None:
     import torch
     from liger_kernel.ops import LigerRMSNormFunction, LigerSiLUMulFunction
 
-    from .environment import resolve_compute_dtype
+    from .dtypes import resolve_compute_dtype
 
     dtype = getattr(torch, resolve_compute_dtype("auto"))
     x = torch.randn(4, 64, device=device, dtype=dtype, requires_grad=True)
