@@ -237,6 +237,12 @@ def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=N
     return report
 
 
+def longest_row_tokens(rows: list[dict], tokenizer) -> int:
+    """Tokens in the longest row as the trainer sees it (chat template applied). Batches are padded to their
+    longest row, so this, not max_length, is the longest sequence training will ever run."""
+    return max(_token_count(tokenizer, row)[1] for row in rows)
+
+
 def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=None) -> list[dict]:
     """Rows of a JSONL file (checked) or a hub dataset. Errors stop here, before any model loads, unless
     cfg.skip_invalid drops the bad rows (their line numbers are printed)."""

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from .config import RunConfig
-from .data import load_train_eval, to_dataset
+from .data import load_train_eval, longest_row_tokens, to_dataset
 from .dtypes import resolve_compute_dtype
 from .lora import check_targets, lora_config, parameter_counts
 from .metrics import MetricsCallback, median, read_metrics, record_nvml_baseline
@@ -239,9 +239,11 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
         model.zero_grad(set_to_none=True)
 
 
-def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True) -> RunConfig:
+def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True,
+                 seq: int | None = None) -> RunConfig:
     """Choose micro-batch x accumulation and GC for cfg.budget_gib (or the whole GPU), keeping the effective batch;
-    each choice is confirmed by one forward and backward at full length, stepping down on OOM. CUDA only."""
+    each choice is confirmed by one forward and backward at `seq` tokens (the longest training row, at most
+    max_length), stepping down on OOM. CUDA only."""
     import torch
 
     from .metrics import memory_snapshot
@@ -251,13 +253,14 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
                            "and grad_accum by hand instead")
     budget = cfg.budget_gib or torch.cuda.get_device_properties(0).total_memory / 2**30
-    base = plan_for_config(cfg, shape, context_gib=context_gib).inputs
+    seq = min(seq or cfg.max_length, cfg.max_length)
+    base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
     dtype = getattr(torch, base.compute_dtype)
     vocab_top = min(tokenizer.vocab_size, shape.vocab)
 
     def trial(option) -> float | None:
         try:
-            trial_step(model, option.batch, cfg.max_length, option.gradient_checkpointing, dtype, vocab_top)
+            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top)
             torch.cuda.synchronize()
             return memory_snapshot()["device_used_gib"]
         finally:
@@ -399,8 +402,12 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
         print("[auto-fit] needs a CUDA GPU; keeping micro_batch_size and grad_accum as set")
     model = attach_lora(load_4bit(cfg, choice), cfg.replace(gradient_checkpointing=True) if fitting else cfg)
     if fitting:
-        cfg = run_auto_fit(cfg, model, tokenizer, shape, extra.get("cuda_context_gib"), verbose)
-        prediction = plan_for_config(cfg, shape, context_gib=extra.get("cuda_context_gib"))
+        # Short rows (the shipped data: ~110 tokens) never fill max_length: fit for what training will really run
+        seq = min(cfg.max_length, longest_row_tokens(train_rows, tokenizer))
+        if verbose and seq < cfg.max_length:
+            print(f"[auto-fit] the longest training row has {seq} tokens (max_length {cfg.max_length}): fitting for {seq}")
+        cfg = run_auto_fit(cfg, model, tokenizer, shape, extra.get("cuda_context_gib"), verbose, seq=seq)
+        prediction = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=extra.get("cuda_context_gib"))
     if prediction is not None:
         extra.update(predicted_peak_gib=prediction.peak_gib, predicted_phase=prediction.peak_phase,
                      predicted_components_gib={k: v / 2**30 for k, v in prediction.components.items()})

@@ -67,3 +67,16 @@ def test_dataset_script_reproduces_the_committed_files(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True, capture_output=True)
     for name in ("train.jsonl", "eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (PROJECT_ROOT / "data" / name).read_bytes(), name
+
+
+def test_longest_row_is_counted_as_the_trainer_sees_it(tokenizer_dir):
+    """Auto-fit plans for the longest row, not max_length: the count must include the chat template."""
+    from nb_helpers.data import longest_row_tokens
+    from nb_helpers.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    short = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}
+    long = {"prompt": [{"role": "user", "content": "hi " * 40}], "completion": [{"role": "assistant", "content": "yo"}]}
+    full = tokenizer.apply_chat_template(long["prompt"] + long["completion"], tokenize=False)
+    assert longest_row_tokens([short, long, short], tokenizer) == len(tokenizer(full, add_special_tokens=False)["input_ids"])
+    assert longest_row_tokens([short], tokenizer) < longest_row_tokens([long], tokenizer)

@@ -329,3 +329,17 @@ def test_auto_fit_without_a_gpu_says_so_and_keeps_the_settings(tiny_cfg, capsys)
     saved = _json.loads((run_dir / "config.json").read_text())
     assert (saved["micro_batch_size"], saved["grad_accum"]) == (tiny_cfg.micro_batch_size, tiny_cfg.grad_accum)
     assert _json.loads((run_dir / "summary.json").read_text())["predicted_peak_gib"] > 0
+
+
+def test_short_rows_let_auto_fit_drop_checkpointing():
+    """The shipped rows are ~120 tokens: fitted at that length, 8 x 1 fits 4 GiB without GC; at max_length it
+    does not, which is why train() fits for the longest row rather than max_length."""
+    from nb_helpers.config import PROJECT_ROOT
+    from nb_helpers.planner import load_shape
+
+    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    base = dict(batch=1, accum=8, rank=8, context_gib=0.6, gpu_capability=(9, 0))
+    short = auto_fit(shape, PlanInput(seq=128, **base), 8, 4.0, log=lambda *_: None)
+    full = auto_fit(shape, PlanInput(seq=512, **base), 8, 4.0, log=lambda *_: None)
+    assert (short.batch, short.gradient_checkpointing) == (8, False)
+    assert full.gradient_checkpointing or full.batch < 8
