@@ -15,7 +15,8 @@ CONTROLS = {
     "micro_batch_size": ("select", [1, 2, 4, 8, 16], "micro-batch"),
     "grad_accum": ("select", [1, 2, 4, 8, 16, 32], "grad accum"),
     "max_length": ("select", [128, 192, 256, 512, 1024, 2048], "max length"),
-    "learning_rate": ("log", (-5, -3, 0.1), "learning rate"),
+    # Exact values, not a log slider: a FloatLogSlider snaps 2e-4 to 10**-3.7 = 1.995e-4 as soon as it is displayed
+    "learning_rate": ("select", [5e-5, 1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 1e-3], "learning rate"),
     "max_steps": ("int", None, "max steps (-1=epochs)"),
     "num_train_epochs": ("floattext", None, "epochs"),
     "gradient_checkpointing": ("bool", None, "gradient checkpointing"),
@@ -30,15 +31,11 @@ def _make(kind, options, description, value):
 
     style = {"description_width": "150px"}
     if kind == "select":
-        options = sorted(set(options) | {value})
+        options = [(f"{v:g}", v) for v in sorted(set(options) | {value})]  # (label, value): values stay exact
         return w.SelectionSlider(options=options, value=value, description=description, style=style)
     if kind == "float":
         lo, hi, step = options
         return w.FloatSlider(value=value, min=lo, max=hi, step=step, description=description, style=style)
-    if kind == "log":
-        lo, hi, step = options
-        return w.FloatLogSlider(value=value, base=10, min=lo, max=hi, step=step, description=description,
-                                style=style, readout_format=".1e")
     if kind == "int":
         return w.IntText(value=value, description=description, style=style)
     if kind == "bool":

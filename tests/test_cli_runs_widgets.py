@@ -62,3 +62,16 @@ def test_widgets_write_the_config_and_refuse_bad_values():
     cfg.num_train_epochs = 0
     controls["max steps (-1=epochs)"].value = -1  # neither steps nor epochs: refused, value restored
     assert cfg.max_steps == 0 and "nothing trains" in box.children[-1].value
+
+
+def test_learning_rate_control_keeps_the_exact_value():
+    """A log slider snapped 2e-4 to 1.995e-4 on display; the control must hold exactly what the config holds."""
+    from nb_helpers.widgets import TRAIN_FIELDS, config_widgets
+
+    for lr in (2e-4, 4e-4, 7e-4):  # 7e-4 is not among the offered values: it is added, not rounded
+        cfg = RunConfig(learning_rate=lr)
+        box = config_widgets(cfg, fields=TRAIN_FIELDS)
+        control = next(c for c in box.children[:-1] if c.description == "learning rate")
+        assert control.value == lr and cfg.learning_rate == lr
+        control.value = 1e-4
+        assert cfg.learning_rate == 1e-4 and "lr 0.0001" in box.children[-1].value
