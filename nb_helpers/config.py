@@ -47,7 +47,7 @@ class RunConfig:
     compute_dtype: str = "auto"
     # --- LoRA ------------------------------------------------------------------------------
     lora_r: int = 8  # try 4, 8, 16, 32: adapter size and capacity grow linearly
-    lora_alpha: int = 16  # scale = alpha / r; keep alpha = 2 * r when you change r
+    lora_alpha: int = 16  # scale = alpha / r; the reference uses 2 * r; the LoRA paper fixes alpha as r varies
     lora_dropout: float = 0.05  # 0.0 is faster; 0.05-0.1 regularises small datasets
     target_modules: list[str] = field(default_factory=lambda: list(REFERENCE_TARGETS))  # add gate/up/down_proj for more capacity
     # --- training --------------------------------------------------------------------------
@@ -56,7 +56,7 @@ class RunConfig:
     learning_rate: float = 2e-4  # 1e-4 to 3e-4 is the usual QLoRA range
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
-    max_grad_norm: float = 0.3  # QLoRA paper's clip; keeps fp16 runs stable
+    max_grad_norm: float = 0.3  # the QLoRA paper's clip, for any dtype (fp16's stability comes from loss scaling)
     optim: str = "paged_adamw_8bit"  # 8-bit states; "paged" spills to host RAM instead of OOM
     gradient_checkpointing: bool = True  # recompute activations: less memory, ~30% more compute
     num_train_epochs: float = 3.0
