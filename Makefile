@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: setup run test test-unit test-notebooks lab env clean-notebooks
 
-$(STAMP): requirements.txt pyproject.toml
+# With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
+$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check -r $(if $(shell nvidia-smi -L 2>/dev/null),requirements-gpu.txt,requirements.txt)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
