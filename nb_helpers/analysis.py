@@ -28,6 +28,19 @@ def to_markdown(rows: list[dict], max_rows: int = 30) -> str:
     return "\n".join(lines)
 
 
+DRIFT_LIMIT = 0.2  # step time rising more than this from the first third of a run to the last is worth a word
+
+
+def step_time_drift(steps: list[dict]) -> tuple[float, float, float] | None:
+    """(median step s in the first third, in the last third, relative rise); None with fewer than 6 timed steps."""
+    times = [r["step_s"] for r in steps if r.get("step_s")]
+    if len(times) < 6:
+        return None
+    third = len(times) // 3
+    first, last = median(times[:third]), median(times[-third:])
+    return first, last, last / first - 1
+
+
 def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
     """Plain-language warnings: memory over the card's budget, and time spikes that suggest spill or throttling."""
     steps = [r for r in records if "loss" in r]
@@ -44,8 +57,13 @@ def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
         if spikes:
             flags.append(f"{len(spikes)} step(s) took over {SPIKE_FACTOR:g}x the median {typical:.2f} s "
                          f"(steps {', '.join(str(r['step']) for r in spikes[:8])}). A single spike is usually another program "
-                         "using the machine; regular ones suggest paged-optimizer spill to host RAM (lower memory "
-                         "use) or a laptop GPU throttling (check temperature and power mode).")
+                         "using the machine; regular ones can come from a laptop GPU throttling (check temperature and "
+                         "power mode) or from memory pressure (lower memory use).")
+    drift = step_time_drift(steps[3:] or steps)
+    if drift is not None and drift[2] > DRIFT_LIMIT:
+        first, last, rise = drift
+        flags.append(f"step time rose {rise:.0%} over the run (median {first:.2f} s in the first third, {last:.2f} s in "
+                     "the last): usually a laptop throttling as it heats up, or another program taking the machine.")
     losses = [r["loss"] for r in steps]
     if len(losses) >= 6 and median(losses[-3:]) > median(losses[:3]):
         flags.append("train loss went up from the first steps to the last: lower learning_rate (try half).")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # noqa: F401 - importing pyplot sets up the notebook backend that displays figures
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 PANELS = [
     ("loss", "train loss"),
@@ -18,8 +20,12 @@ def _series(records: list[dict], key: str):
 
 
 def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = None, figsize=(10, 6)):
-    """Loss, device memory, time/step and eval loss against step, one line per run on shared axes."""
-    fig, axes = plt.subplots(2, 2, figsize=figsize)
+    """Loss, device memory, time/step and eval loss against step, one line per run on shared axes.
+
+    The figure is not registered with pyplot, so a notebook shows it once: as the cell's value, or through
+    display(fig). (A pyplot figure is shown by the backend too, so every plot appeared twice.)"""
+    fig = Figure(figsize=figsize)
+    axes = fig.subplots(2, 2)
     for ax, (key, title) in zip(axes.flat, PANELS):
         drawn = False
         for name, records in runs.items():
@@ -34,13 +40,16 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
             ax.axhline(vram_limit_gib, color="red", linestyle="--", linewidth=1, label=f"{vram_limit_gib} GiB")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if len(runs) > 1 and handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), fontsize=8)
-        fig.subplots_adjust(bottom=0.18)
+    legend = {}  # every run that drew on any panel (a run without train-loss points still has memory or eval)
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    if len(runs) > 1 and legend:
+        fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08 if len(runs) > 1 else 0, 1, 1))
     return fig
 
@@ -61,9 +70,9 @@ class LivePlot:
         last = [r for r in self.records if "loss" in r]
         if last:
             r = last[-1]
-            fig.suptitle(f"step {r['step']}  loss {r['loss']:.3f}  {r['step_s']:.2f} s/step", fontsize=10)
+            fig.suptitle(f"{self.name}: step {r['step']}, loss {r['loss']:.3f}, {r['step_s']:.2f} s/step", fontsize=10)
+            fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title above the panel titles
         if self._handle is None:
             self._handle = display(fig, display_id=True)
         else:
             self._handle.update(fig)
-        plt.close(fig)

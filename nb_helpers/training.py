@@ -527,11 +527,8 @@ def save_plots(run_dir: Path) -> None:
     matplotlib.use("Agg", force=False)
     from .plots import plot_training
 
-    fig = plot_training({run_dir.name: read_metrics(run_dir / "metrics.jsonl")})
+    fig = plot_training({run_dir.name: read_metrics(run_dir / "metrics.jsonl")})  # not held by pyplot: no close
     fig.savefig(run_dir / "training.png", dpi=110, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
 
 
 def package_versions() -> dict:

@@ -41,3 +41,32 @@ def test_flags_vram_spikes_and_rising_loss():
     assert any("over 2x the median" in f and "steps 8" in f for f in flag_problems(spiky))
     rising = [step(i, loss=1.0 + i * 0.1) for i in range(1, 10)]
     assert any("lower learning_rate" in f for f in flag_problems(rising))
+
+
+def test_plots_are_shown_once_and_list_every_run():
+    """Figures stay out of pyplot (a notebook showed each one twice: by the backend and as the cell's value); the
+    legend names runs that only have eval or memory points; steps get whole-number ticks."""
+    import matplotlib.pyplot as plt
+
+    from nb_helpers.plots import plot_training
+
+    before = plt.get_fignums()
+    runs = {"trained": [{"step": s, "loss": 1.0 / s, "step_s": 1.0} for s in (1, 2, 3)],
+            "eval only": [{"step": 0, "eval_loss": 0.9}, {"step": 3, "eval_loss": 0.5}]}
+    fig = plot_training(runs)
+    assert plt.get_fignums() == before
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["trained", "eval only"]
+    ticks = fig.axes[0].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)
+
+
+def test_step_time_drift_is_flagged_and_steady_runs_are_not():
+    """A run whose steps slowed from 350 s to 469 s (+34%) was called "steady"; now it is named."""
+    from nb_helpers.analysis import flag_problems
+
+    def run(times):
+        return [{"step": i + 1, "loss": 1.0 - 0.01 * i, "step_s": t} for i, t in enumerate(times)]
+
+    rising = flag_problems(run([350.0] * 6 + [400.0] * 3 + [469.0] * 6))
+    assert any("step time rose 34%" in f for f in rising), rising
+    assert not any("rose" in f for f in flag_problems(run([350.0, 352.0, 349.0] * 5)))
