@@ -178,7 +178,7 @@ CI_OVERRIDES = dict(
 
 # CPU, each change measured on 2 cores (bench/results/cpu.json, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;
-# - no gradient checkpointing: recomputing activations costs ~20% per step, and host RAM holds them easily;
+# - no gradient checkpointing: recomputing activations cost 12-22% per step, and host RAM holds them easily;
 # - 35 steps at lr 4e-4 instead of 70 at 2e-4: the same held-out score (0.958 against 0.956) in half the steps;
 # - adamw_8bit: the same 8-bit AdamW; "paged" moves optimizer state between GPU and host, nothing to do on a CPU.
 CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, gradient_checkpointing=False, max_steps=35,

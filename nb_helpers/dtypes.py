@@ -46,7 +46,8 @@ def dtype_reason(capability: tuple[int, int] | None, dtype: str) -> str:
     """Why compute_dtype_for chose `dtype`, in words for the environment check and the config printout."""
     if capability is None:
         if dtype == "bfloat16":
-            return "this CPU has bf16 units (AVX-512 BF16 / AMX), where a bf16 training step measured 1.3x faster than fp32"
+            return ("this CPU has bf16 units (AVX-512 BF16 / AMX), where a bf16 training step measured 1.3x "
+                    "faster than fp32")
         return ("this CPU has no native bf16 (no AVX-512 BF16 / AMX, or limited by ONEDNN_MAX_CPU_ISA / "
                 "ATEN_CPU_CAPABILITY): fp32, because emulated bf16 made a training step about 13x slower")
     if dtype == "bfloat16":

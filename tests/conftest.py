@@ -56,25 +56,27 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     return path
 
 
-@pytest.fixture
-def tiny_cfg(tiny_model_dir, tmp_path):
+def tiny_run_config(model_dir, runs_dir):
+    """Three quick steps on the tiny model, with every stage of train() (evals, task scoring, checkpoints)."""
     from nb_helpers.config import RunConfig
 
-    return RunConfig(model=str(tiny_model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
+    return RunConfig(model=str(model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
                      max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
-                     save_steps=2, runs_dir=str(tmp_path / "runs"), learning_rate=1e-3)
+                     save_steps=2, runs_dir=str(runs_dir), learning_rate=1e-3)
+
+
+@pytest.fixture
+def tiny_cfg(tiny_model_dir, tmp_path):
+    return tiny_run_config(tiny_model_dir, tmp_path / "runs")
 
 
 @pytest.fixture(scope="session")
 def shared_run(tiny_model_dir, tmp_path_factory):
     """One finished training run on the tiny model, shared by every test that only reads a run folder:
     train() once per session instead of once per test (each costs seconds, more on an AVX2-only CPU)."""
-    from nb_helpers.config import RunConfig
     from nb_helpers.training import train
 
-    cfg = RunConfig(model=str(tiny_model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
-                    max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
-                    save_steps=2, runs_dir=str(tmp_path_factory.mktemp("shared") / "runs"), learning_rate=1e-3)
+    cfg = tiny_run_config(tiny_model_dir, tmp_path_factory.mktemp("shared") / "runs")
     return cfg, train(cfg, verbose=False)
 
 
