@@ -60,6 +60,13 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # third device call: compiled decoder layers (the host-overhead lever), and where the host time goes
+        run("w512", "compile-8x1", 8, 1, fast="compile=1"),
+        run("w512", "compile-nokernels-8x1", 8, 1, fast="compile=1,kernels=0"),
+        run("w512", "host-profile-8x1", 8, 1, cprofile=True),
+        run("w2048", "compile-4x2", 4, 2, fast="compile=1", profile=True, steps=steps + 1),
+        run("shipped", "compile-8x1-no-gc", 8, 1, gc=False, fast="compile=1"),
+        run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
         # second device call: each lever added alone on top of the previous one, at 8 x 1
         run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0,expandable=0"),
         run("w512", "lean+nomask-8x1", 8, 1, fast="kernels=0,expandable=0"),
@@ -123,6 +130,32 @@ class Recorder:
             self.prof.stop()
             self.busy = busy_share(self.prof, wall)
             self.prof_start = None
+
+
+class HostProfile:
+    """cProfile over three steps after warm-up: where the host's time goes (Python, peft, bitsandbytes, autograd)."""
+
+    def __init__(self, enabled: bool, steps: int = 3):
+        self.enabled, self.steps, self.profiler, self.report = enabled, steps, None, None
+
+    def step_done(self, step: int) -> None:
+        if not self.enabled:
+            return
+        import cProfile
+        import io
+        import pstats
+
+        if step == WARMUP:
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        elif step == WARMUP + self.steps and self.profiler is not None:
+            self.profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(self.profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats(40)
+            self.report = text.getvalue()[-20000:]
+            self.profiler = None
 
 
 def busy_share(prof, wall_s: float) -> dict:
@@ -222,17 +255,19 @@ def ours_worker(spec: dict) -> dict:
                     budget_gib=spec["budget"], auto_fit=spec.get("auto_fit", False), compute_dtype="bfloat16",
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
+    host = HostProfile(spec.get("cprofile", False))
 
     def listen(record):
         if "loss" in record:
             recorder.step_done(record)
+            host.step_done(record["step"])
 
     run = train(cfg, listeners=[listen], verbose=True)
     chosen = json.loads((run / "config.json").read_text())
     summary = json.loads((run / "summary.json").read_text())
     return {"records": [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r],
             "busy": getattr(recorder, "busy", None), "context_gib": summary.get("cuda_context_gib"),
-            "predicted_peak_gib": summary.get("predicted_peak_gib"),
+            "predicted_peak_gib": summary.get("predicted_peak_gib"), "host_profile": host.report,
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
                          "gc": chosen["gradient_checkpointing"]}}
 
@@ -260,7 +295,8 @@ def summarize(spec: dict, result: dict) -> dict:
             "peak_allocated_gib": max(allocated) if allocated else None, "losses": [round(r["loss"], 4) for r in records], **result.get("settings", {}),
             "busy": result.get("busy"), "context_gib": result.get("context_gib"),
             "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
-            "dropout": spec.get("dropout", 0.05)}
+            "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
+            "host_profile": result.get("host_profile")}
 
 
 def versions() -> dict:

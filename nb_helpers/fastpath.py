@@ -42,6 +42,7 @@ class FastOptions:
     adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
     selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
     expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
+    compile: bool = False  # torch.compile each decoder layer (Inductor): fewer, fused launches; CUDA + Triton only
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -173,6 +174,45 @@ def apply_fused_kernels(model, verbose: bool = True) -> bool:
     modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes
     if verbose:
         say_once("kernels-on", "[fast] fused Triton kernels (liger-kernel) for RMSNorm, SwiGLU and RoPE")
+    return True
+
+
+# --- compiled decoder layers ------------------------------------------------------------------------------------
+def compile_unavailable_reason(model) -> str | None:
+    """Why the decoder layers cannot be compiled here, or None when they can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU (Inductor's CPU code needs a C++ toolchain and pays little at 2-8 threads)"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - no Triton wheel for this platform (native Windows)
+        return f"Triton is not importable ({type(e).__name__}: {e})"
+    if not hasattr(_decoder(model), "layers"):
+        return "the model has no `layers` list to compile"
+    return None
+
+
+def compile_layers(model, verbose: bool = True) -> bool:
+    """torch.compile every decoder layer in place (regional compilation: the layers share one compiled graph, so the
+    cost is one layer's compile, not the model's). The 4-bit matmuls stay bitsandbytes' kernels (registered as
+    custom ops); Inductor fuses what sits between them: norms, RoPE, SwiGLU, LoRA's dropout and scaling, the residual
+    adds. Gradient checkpointing wraps the compiled layer, so the recompute runs compiled code too."""
+    reason = compile_unavailable_reason(model)
+    if reason is not None:
+        if verbose:
+            say_once("compile", f"[fast] decoder layers not compiled: {reason}; running eagerly (same math)")
+        return False
+    import torch
+
+    layers = _decoder(model).layers
+    # one graph serves every layer, but automatic dynamic shapes recompile once for a new length; keep headroom
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(layers))
+    for layer in layers:
+        layer.compile(dynamic=None)
+    if verbose:
+        say_once("compile-on", f"[fast] {len(layers)} decoder layers compiled (torch.compile, Inductor); the first "
+                               "steps include the compile")
     return True
 
 

@@ -44,6 +44,16 @@ def test_kernels_fall_back_cleanly_and_say_so_once(tiny_cfg, capsys, monkeypatch
     assert type(model.get_base_model().model.layers[0].mlp).__name__ == "LlamaMLP"
 
 
+def test_compile_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, compile=True))
+    _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, compile=True))
+    out = capsys.readouterr().out
+    assert out.count("decoder layers not compiled: no CUDA GPU") == 1
+    layers = fastpath._decoder(model).layers
+    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in layers)
+
+
 def test_lean_prepare_keeps_16_bit_weights_and_freezes_the_base(tiny_cfg):
     import torch
 
