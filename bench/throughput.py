@@ -60,6 +60,9 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # fourth device call: checkpoints offloaded to CPU RAM, so that W2048 fits 8 x 1 (half the launches per token)
+        run("w2048", "offload-8x1", 8, 1, fast="offload=1"),
+        run("w2048", "offload-sync-8x1", 8, 1, fast="offload_sync=1"),
         # third device call: compiled decoder layers (the host-overhead lever), and where the host time goes
         run("w512", "compile-8x1", 8, 1, fast="compile=1"),
         run("w512", "compile-nokernels-8x1", 8, 1, fast="compile=1,kernels=0"),

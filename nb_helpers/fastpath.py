@@ -42,7 +42,10 @@ class FastOptions:
     adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
     selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
     expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
-    compile: bool = False  # torch.compile each decoder layer (Inductor): fewer, fused launches; CUDA + Triton only
+    compile: bool = False  # torch.compile each decoder layer (Inductor): measured slower or equal, so off
+    offload: bool = False  # activation checkpoints in pinned CPU RAM, copied asynchronously (CUDA); frees
+    #                        layers x tokens x hidden x 2 bytes of device memory for longer rows or bigger batches
+    offload_sync: bool = False  # the same through transformers' own offload (synchronous copies): measured against it
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -174,6 +177,68 @@ def apply_fused_kernels(model, verbose: bool = True) -> bool:
     modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes
     if verbose:
         say_once("kernels-on", "[fast] fused Triton kernels (liger-kernel) for RMSNorm, SwiGLU and RoPE")
+    return True
+
+
+# --- activation checkpoints offloaded to CPU RAM ---------------------------------------------------------------
+def _offload_hooks():
+    """Saved-tensor hooks that move each checkpointed layer input to pinned host memory with a non-blocking copy and
+    bring it back the same way in the backward. transformers' own `offload=True` (torch's save_on_cpu) copies
+    synchronously, which stalls the host at every layer: on a host-bound step that is the whole gain. Stream order
+    keeps this safe: the device-to-host copy is queued before any kernel that could reuse the freed device memory,
+    and the host-to-device copy before the recompute that reads it."""
+    import torch
+
+    def pack(tensor):
+        if tensor.device.type != "cuda" or tensor.numel() < 1 << 16:
+            return tensor  # small or host tensors: not worth a copy
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return tensor.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def offloaded_checkpoint(function, *args, **kwargs):
+    """torch's non-reentrant checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM."""
+    from torch.utils.checkpoint import checkpoint
+
+    with _offload_hooks():
+        return checkpoint(function, *args, **kwargs)
+
+
+def install_offload(model) -> bool:
+    """Make gradient checkpointing offload its saved inputs, whenever the Trainer turns checkpointing on (it does so
+    in train(), after this). CUDA only; says once why not elsewhere."""
+    import functools
+
+    import torch
+
+    if not torch.cuda.is_available():
+        say_once("offload", "[fast] checkpoint offload off: no CUDA GPU (the activations already live in RAM)")
+        return False
+    enable = model.gradient_checkpointing_enable
+    if getattr(getattr(model, "_nb_fast", None), "offload_sync", False) or FastOptions.from_env().offload_sync:
+        model.gradient_checkpointing_enable = functools.partial(enable, offload=True)  # transformers' save_on_cpu
+        say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (transformers, synchronous)")
+        return True
+
+    def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
+        kwargs.pop("offload", None)
+        enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+        func = functools.partial(offloaded_checkpoint, **(gradient_checkpointing_kwargs or {"use_reentrant": False}))
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = func
+
+    model.gradient_checkpointing_enable = enable_with_offload
+    say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
     return True
 
 

@@ -79,7 +79,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
     the same speed and losses (bench/NOTES.md). NB_FASTPATH=lean=0 brings it back; the CPU path keeps it."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    from .fastpath import FastOptions, apply_fused_kernels, compile_layers, install_mask_drop, lean_prepare
+    from .fastpath import (FastOptions, apply_fused_kernels, compile_layers, install_mask_drop, install_offload,
+                           lean_prepare)
 
     fast = fast or FastOptions.from_env()
     check_targets(model, cfg.target_modules)
@@ -96,6 +97,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         install_mask_drop(model)
     if fast.compile:
         compile_layers(model)
+    if (fast.offload or fast.offload_sync) and cfg.gradient_checkpointing:
+        install_offload(model)
     model._nb_fast = fast
     return model
 

@@ -1,0 +1,135 @@
+"""Reach under a 4 GiB card (issue 11): bigger models and longer rows on our default GPU path, with the memory options
+that make them fit. One fresh process per point (bench/throughput.py's worker, the same measurement), random-weight
+models of the real shapes built on the device, effective batch 8 sequences, r=8 on q,k,v,o.
+
+    python bench/reach.py                          # every point, writes bench/results/reach.json
+    python bench/reach.py --only qwen3-4b-2048-offload --out /tmp/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import summarize, versions  # noqa: E402
+
+# Real configs of the public models (config.json on the Hub), as (model_type, shape).
+QWEN3 = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, vocab_size=151936, head_dim=128, tie_word_embeddings=True)
+SHAPES = {
+    "qwen3-1.7b": ("qwen3", dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8)),
+    "qwen3-4b": ("qwen3", dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8)),
+}
+# name: shape, sequence length, micro-batch, accumulation, fast-path levers (None: the default path)
+POINTS = [
+    ("tinyllama-1.1b", 16384, 1, 8, "offload=1"),
+    ("tinyllama-1.1b", 24576, 1, 8, "offload=1"),
+    ("qwen3-1.7b", 8192, 1, 8, "offload=1"),
+    ("qwen3-4b", 2048, 1, 8, "offload=1"),
+    ("qwen3-4b", 2048, 1, 8, None),
+]
+
+
+def point_name(shape, seq, batch, accum, fast) -> str:
+    return f"{shape}-{seq}-{batch}x{accum}" + ("-" + fast.replace("=1", "").replace(",", "+") if fast else "")
+
+
+def build_shape(name: str, out: Path, max_positions: int) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    if name not in SHAPES:  # the Llama shapes
+        from build_tinyllama_shape import build
+
+        build(name, str(out), ROOT / "data", max_positions=max_positions)
+        return out
+    from build_tinyllama_shape import build_tokenizer
+
+    model_type, shape = SHAPES[name]
+    config = AutoConfig.for_model(model_type, **shape, max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    build_tokenizer(ROOT / "data").save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=None, help="comma list of point names")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per point (3 warm-up)")
+    parser.add_argument("--budget", type=float, default=4.0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reach.json"))
+    parser.add_argument("--deadline-s", type=float, default=1e9)
+    args = parser.parse_args()
+    from planner_grid import write_rows
+    from transformers import AutoTokenizer
+
+    start, work = time.time(), Path(tempfile.mkdtemp(prefix="reach-"))
+    keep = set(args.only.split(",")) if args.only else None
+    import torch
+
+    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "versions": versions(),
+           "budget_gib": args.budget, "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           "points": []}
+    for shape, seq, batch, accum, fast in POINTS:
+        name = point_name(shape, seq, batch, accum, fast)
+        if keep and name not in keep:
+            continue
+        if time.time() - start > args.deadline_s:
+            print(f"[reach] deadline: {name} not run", flush=True)
+            continue
+        model_dir = build_shape(shape, Path(f"/tmp/shape-{shape}-reach"), max_positions=max(32768, seq))
+        data = work / f"{shape}-{seq}.jsonl"
+        if not data.exists():
+            write_rows(AutoTokenizer.from_pretrained(model_dir), data, 8 * args.steps, seq, seed=seq)
+        spec = dict(workload=name, recipe="ours", name=name, batch=batch, accum=accum, gc=True, steps=args.steps,
+                    seq=seq, budget=args.budget, model=str(model_dir), data=str(data), fast=fast)
+        spec_path, result_path = work / f"{name}.json", work / f"{name}.out"
+        spec_path.write_text(json.dumps(spec))
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "throughput.py"), "--worker", str(spec_path),
+                               str(result_path)], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        row = {"name": name, "shape": shape, "seq": seq, "batch": batch, "accum": accum, "rank": 8,
+               "targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
+               "options": [o.split("=")[0] for o in (fast or "").split(",") if o], "returncode": proc.returncode,
+               "wall_s": round(time.time() - t0, 1)}
+        if result_path.exists():
+            s = summarize(spec, json.loads(result_path.read_text()))
+            row.update(peak_device_gib=s["peak_device_gib"], peak_reserved_gib=s["peak_reserved_gib"],
+                       peak_allocated_gib=s["peak_allocated_gib"], tokens_per_s=s["tokens_per_s"],
+                       median_step_s=s["median_step_s"], losses=s["losses"], predicted_gib=s["predicted_peak_gib"])
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout)[-1500:]
+            row["error_tail"] = tail
+            row["oom"] = "out of memory" in tail.lower() or "OutOfMemory" in tail
+        out["points"].append(row)
+        print(f"[reach] {name:<40} rc={proc.returncode} dev {row.get('peak_device_gib') or float('nan'):.2f} GiB "
+              f"{row.get('tokens_per_s') or 0:8.0f} tok/s {row['wall_s']}s", flush=True)
+        if proc.returncode != 0:
+            print("    " + row["error_tail"][-500:].replace("\n", "\n    "), flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
