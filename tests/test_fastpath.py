@@ -199,3 +199,64 @@ def test_the_budget_cap_holds_with_expandable_segments():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg):
+    """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back: the same dropout masks
+    and inputs give bitwise the same LoRA gradients, and the device holds layers x tokens x hidden x 2 bytes less
+    between the forward and the backward."""
+    import functools
+
+    import torch
+
+    from nb_helpers.fastpath import offloaded_checkpoint
+
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()
+    layers = fastpath._decoder(model).layers
+    hidden = model.get_base_model().config.hidden_size
+    ids = torch.randint(0, 1000, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def grads_and_held_bytes():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(input_ids=ids, labels=ids).loss
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad], held
+
+    plain, plain_held = grads_and_held_bytes()
+    for layer in layers:
+        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, use_reentrant=False)
+    offloaded, offloaded_held = grads_and_held_bytes()
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    checkpoints = len(layers) * ids.numel() * hidden * 2
+    assert plain_held - offloaded_held >= 0.9 * checkpoints, (plain_held, offloaded_held, checkpoints)
+
+
+@pytest.mark.gpu
+def test_offload_runs_through_train_and_says_so(tiny_cfg, capsys, monkeypatch):
+    """NB_FASTPATH=offload=1 reaches the Trainer's own checkpointing switch (it is turned on in train())."""
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    monkeypatch.setenv(fastpath.ENV_VAR, "offload=1")
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    run_dir = train(tiny_cfg.replace(max_steps=3, task_eval_samples=0, eval_file=None, gradient_checkpointing=True),
+                    verbose=True)
+    assert "activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)" in capsys.readouterr().out
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+
+
+def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
+    _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
+    assert capsys.readouterr().out.count("checkpoint offload off: no CUDA GPU") == 1
+    assert "gradient_checkpointing_enable" not in vars(model)  # the model's own switch is untouched
