@@ -42,6 +42,7 @@ class FastOptions:
     adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
     selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
     expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
+    fused_lora: bool = False  # each 4-bit linear (with its LoRA) as one autograd function (nb_helpers.fused_lora); CUDA
     compile: bool = False  # torch.compile each decoder layer (Inductor): measured slower or equal, so off
     offload: bool = False  # activation checkpoints in pinned CPU RAM, copied asynchronously (CUDA); frees
     #                        layers x tokens x hidden x 2 bytes of device memory for longer rows or bigger batches
@@ -240,6 +241,23 @@ def install_offload(model) -> bool:
     model.gradient_checkpointing_enable = enable_with_offload
     say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
     return True
+
+
+# --- fused QLoRA layers -----------------------------------------------------------------------------------------
+def apply_fused_lora(model, verbose: bool = True) -> bool:
+    """Route the 4-bit layers through nb_helpers.fused_lora (same math, fewer host calls). CUDA only."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if verbose:
+            say_once("fused-lora", "[fast] fused QLoRA layers off: no CUDA GPU; peft's and bitsandbytes' layers run")
+        return False
+    from . import fused_lora
+
+    count = fused_lora.install(model)
+    if verbose:
+        say_once("fused-lora-on", f"[fast] {count} 4-bit layers run as fused QLoRA functions (one call each)")
+    return count > 0
 
 
 # --- compiled decoder layers ------------------------------------------------------------------------------------

@@ -79,8 +79,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
     the same speed and losses (bench/NOTES.md). NB_FASTPATH=lean=0 brings it back; the CPU path keeps it."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    from .fastpath import (FastOptions, apply_fused_kernels, compile_layers, install_mask_drop, install_offload,
-                           lean_prepare)
+    from .fastpath import (FastOptions, apply_fused_kernels, apply_fused_lora, compile_layers, install_mask_drop,
+                           install_offload, lean_prepare)
 
     fast = fast or FastOptions.from_env()
     check_targets(model, cfg.target_modules)
@@ -95,6 +95,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
     model = get_peft_model(model, lora_config(cfg))
     if fast.nomask:
         install_mask_drop(model)
+    if fast.fused_lora:
+        apply_fused_lora(model)
     if fast.compile:
         compile_layers(model)
     if (fast.offload or fast.offload_sync) and cfg.gradient_checkpointing:

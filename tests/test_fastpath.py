@@ -260,3 +260,13 @@ def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, cap
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
     assert capsys.readouterr().out.count("checkpoint offload off: no CUDA GPU") == 1
     assert "gradient_checkpointing_enable" not in vars(model)  # the model's own switch is untouched
+
+
+def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
+    import bitsandbytes as bnb
+
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, fused_lora=True))
+    _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, fused_lora=True))
+    assert capsys.readouterr().out.count("fused QLoRA layers off: no CUDA GPU") == 1
+    assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))

@@ -1,0 +1,125 @@
+"""QLoRA's linear layers as one autograd function each: fewer Python calls and kernel launches per step.
+
+On a fast GPU the training step is bound by the host, not the GPU (bench/NOTES.md: 0.7 ms of Python per LoRA layer
+call, most of it in peft's and bitsandbytes' wrappers). The math stays the recipe's:
+
+    y = x W^T + b + s * (dropout(x) A^T) B^T        W: the NF4 weight, dequantized on the fly (never stored)
+
+  * LoRA layers (peft's 4-bit `lora.Linear4bit`): one function dequantizes W, runs the base matmul, the dropout
+    (`native_dropout`, the kernel nn.Dropout uses, so the same seed draws the same mask), A, and adds s * (xA^T)B^T
+    into the output inside one GEMM (`addmm_`), where peft clones the output and adds it in two more kernels. The
+    backward dequantizes W again instead of keeping it, as bitsandbytes does, and computes dA, dB, dx directly.
+  * Frozen 4-bit layers (the MLP's gate, up, down): dequantize + matmul in one function, without
+    bitsandbytes' per-call bookkeeping.
+
+Each patched layer falls back to its own forward whenever it is in a state this does not cover (adapters disabled or
+merged, several adapters, DoRA or another variant, mixed-adapter batches).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def _dequantize(weight):
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight.data, weight.quant_state)
+
+
+class LoRA4bitLinear(torch.autograd.Function):
+    """y = x W^T + b + s * dropout(x) A^T B^T, with W in NF4; gradients for x, A and B only (the base is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float):
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.nn.functional.linear(flat, _dequantize(weight).to(x.dtype), None if bias is None else
+                                         bias.to(x.dtype))
+        if dropout_p > 0:
+            dropped, mask = torch.native_dropout(flat, dropout_p, True)
+        else:
+            dropped, mask = flat, None
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        down = dropped @ a.t()
+        out.addmm_(down, b.t(), alpha=scaling)
+        ctx.save_for_backward(dropped, down, mask, a, b)
+        ctx.weight, ctx.scaling, ctx.dropout_p = weight, scaling, dropout_p
+        ctx.dtypes = (lora_a.dtype, lora_b.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dropped, down, mask, a, b = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
+        grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
+        grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
+        grad_a = grad_down.t() @ dropped  # (r, in)
+        grad_x = grad @ _dequantize(ctx.weight).to(grad.dtype)
+        if mask is None:
+            grad_x.addmm_(grad_down, a)
+        else:
+            lora_x = torch.ops.aten.native_dropout_backward(grad_down @ a, mask, 1.0 / (1.0 - ctx.dropout_p))
+            grad_x.add_(lora_x)
+        return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
+                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None)
+
+
+class Frozen4bitLinear(torch.autograd.Function):
+    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight = weight
+        return torch.nn.functional.linear(x, _dequantize(weight).to(x.dtype),
+                                          None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out @ _dequantize(ctx.weight).to(grad_out.dtype), None, None
+
+
+def _lora_forward(self, x, *args, **kwargs):
+    adapters = [name for name in self.active_adapters if name in self.lora_A]
+    base = self.get_base_layer()
+    if args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1 or adapters[0] in self.lora_variant:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = adapters[0]
+    dropout = self.lora_dropout[name]
+    p = float(getattr(dropout, "p", 0.0)) if self.training else 0.0
+    return LoRA4bitLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                float(self.scaling[name]), p)
+
+
+def _frozen_forward(self, x):
+    if getattr(self.weight, "quant_state", None) is None or getattr(self.weight.quant_state, "packing_format_for_cpu",
+                                                                     False):
+        return type(self).forward(self, x)
+    return Frozen4bitLinear.apply(x, self.weight, self.bias)
+
+
+def install(model) -> int:
+    """Route every 4-bit linear layer of a peft-wrapped model through the fused functions. Returns how many layers
+    were patched (0 where bitsandbytes' 4-bit layers are absent). The fast path calls it on CUDA only: on a CPU,
+    bitsandbytes repacks weights for its own inference kernels, and the CPU path keeps the code its results were
+    measured with."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora import LoraLayer
+
+    patched = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), bnb.nn.Linear4bit):
+            module.forward = types.MethodType(_lora_forward, module)
+            patched += 1
+        elif isinstance(module, bnb.nn.Linear4bit) and not _wrapped_by_lora(model, module):
+            module.forward = types.MethodType(_frozen_forward, module)
+            patched += 1
+    return patched
+
+
+def _wrapped_by_lora(model, layer) -> bool:
+    """A LoRA layer calls its base layer itself; the fused LoRA function replaces that call, so leave it alone."""
+    from peft.tuners.lora import LoraLayer
+
+    return any(isinstance(m, LoraLayer) and m.get_base_layer() is layer for m in model.modules())

@@ -1,0 +1,79 @@
+"""The fused QLoRA layers compute what peft + bitsandbytes compute: outputs and gradients, with LoRA dropout on
+(the same seed draws the same mask), on the tiny model in fp32 on the CPU (bitsandbytes dequantizes there too)."""
+
+import pytest
+import torch
+
+from nb_helpers import fused_lora
+
+
+def _model(tiny_cfg, patched: bool, dtype: str = "float32"):
+    from nb_helpers.fastpath import FastOptions
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.training import attach_lora
+
+    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1)
+    torch.manual_seed(0)  # the same random A in both models
+    model = attach_lora(load_4bit(cfg, ModelChoice(cfg.model, "tiny", "test")), cfg,
+                        fast=FastOptions(lean=True, kernels=False, nomask=False))
+    torch.manual_seed(1)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; a random B makes the LoRA branch count in the check
+            torch.nn.init.normal_(param, std=0.5)
+    model.train()
+    if patched:
+        assert fused_lora.install(model) > 0
+    return model
+
+
+def _loss_and_grads(model, ids):
+    torch.manual_seed(7)  # the same dropout masks in both models
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    loss = model(inputs_embeds=embeds, labels=ids).loss
+    loss.backward()
+    return loss.detach(), embeds.grad, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_fused_layers_match_peft_and_bitsandbytes(tiny_cfg):
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_dx, ref_grads = _loss_and_grads(_model(tiny_cfg, False), ids)
+    loss, dx, grads = _loss_and_grads(_model(tiny_cfg, True), ids)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5), (loss, ref_loss)
+    assert torch.allclose(dx, ref_dx, rtol=1e-4, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    for name in grads:
+        assert torch.allclose(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_fused_layers_fall_back_when_adapters_are_disabled(tiny_cfg):
+    model = _model(tiny_cfg, True)
+    ids = torch.randint(0, 1000, (1, 8))
+    model.eval()
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=ids).logits
+    with torch.no_grad():
+        tuned = model(input_ids=ids).logits
+    assert not torch.allclose(base, tuned)  # the LoRA branch counts only when the adapters are on
+
+
+def test_install_counts_every_4bit_layer(tiny_cfg):
+    import bitsandbytes as bnb
+
+    model = _model(tiny_cfg, False)
+    four_bit = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    assert fused_lora.install(model) == four_bit  # LoRA wrappers replace their base layer's call, one per layer
+
+
+@pytest.mark.gpu
+def test_fused_layers_match_on_the_gpu_in_bf16(tiny_cfg):
+    """The same check on CUDA in bf16, where the fast path uses it: bitsandbytes' CUDA dequantization, bf16 GEMMs
+    (one rounding in addmm_ against peft's three, hence a tolerance)."""
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    cfg = tiny_cfg.replace(compute_dtype="bfloat16")
+    ref_loss, _, ref_grads = _loss_and_grads(_model(cfg, False, dtype="bfloat16"), ids)
+    loss, _, grads = _loss_and_grads(_model(cfg, True, dtype="bfloat16"), ids)
+    assert abs(loss.item() - ref_loss.item()) < 0.01 * ref_loss.item()
+    for name in grads:
+        cos = torch.nn.functional.cosine_similarity(grads[name].float().flatten(), ref_grads[name].float().flatten(),
+                                                    dim=0)
+        assert cos > 0.99, (name, cos.item())
