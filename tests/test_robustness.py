@@ -189,7 +189,7 @@ def test_nan_keeps_the_last_good_adapter(tiny_cfg, capsys):
 
 
 def test_a_full_disk_leaves_the_previous_adapter_intact(shared_run):
-    from nb_helpers.training import last_checkpoint, save_adapter
+    from nb_helpers.recovery import last_checkpoint, save_adapter
 
     run_dir = shared_run[1]
     before = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -226,7 +226,8 @@ def test_pickled_weights_are_refused(tiny_model_dir, tmp_path):
 # --- interrupt and resume -----------------------------------------------------------------------------------
 
 def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path):
-    from nb_helpers.training import last_checkpoint, train
+    from nb_helpers.recovery import last_checkpoint
+    from nb_helpers.training import train
 
     def stop_at_3(record):
         if record.get("step") == 3 and "loss" in record:

@@ -5,7 +5,8 @@ import pytest
 
 from nb_helpers.config import ConfigError
 from nb_helpers.metrics import read_metrics
-from nb_helpers.runs import SUMMARY_KEYS, load_run
+from nb_helpers.runs import load_run
+from nb_helpers.summary import SUMMARY_KEYS
 from nb_helpers.training import train
 
 
@@ -118,13 +119,13 @@ def test_adapter_weights_match_the_precision_mode(tiny_cfg, tmp_path, dtype, ada
     import torch
 
     from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer
-    from nb_helpers.training import attach_lora, build_trainer
+    from nb_helpers.training import TrainingRun, attach_lora, build_trainer
 
     cfg = tiny_cfg.replace(compute_dtype=dtype)
     choice = ModelChoice(cfg.model, "tiny", "test")
     model = attach_lora(load_4bit(cfg, choice), cfg)
     rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
-    build_trainer(cfg, model, load_tokenizer(cfg.model), rows, [], tmp_path)
+    build_trainer(TrainingRun(cfg, choice, load_tokenizer(cfg.model), rows, model=model, run_dir=tmp_path))
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     assert dtypes == {getattr(torch, adapter_dtype)}
 
