@@ -138,7 +138,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from nb_helpers.config import CPU_OVERRIDES
-    from nb_helpers.training import package_versions
+    from nb_helpers.summary import package_versions
 
     rows = []
     for isa in [args.only] if args.only else list(ISA_LIMITS):

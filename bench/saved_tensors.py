@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from nb_helpers.config import RunConfig  # noqa: E402
 from nb_helpers.models import ModelChoice, ensure_embedded_model, load_4bit, load_tokenizer  # noqa: E402
 from nb_helpers.planner import PlanInput, Shape, layer_activation_bytes_per_token  # noqa: E402
-from nb_helpers.training import attach_lora, build_trainer  # noqa: E402
+from nb_helpers.training import TrainingRun, attach_lora, build_trainer  # noqa: E402
 
 DIMS = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
             max_position_embeddings=4096, tie_word_embeddings=False)
@@ -39,7 +39,7 @@ def saved_bytes(layers: int, tokens: int) -> int:
                     eval_file=None)
     model = attach_lora(load_4bit(cfg, ModelChoice(folder, "probe", "")), cfg)
     rows = [{"input_ids": torch.randint(100, 30000, (tokens,)).tolist()}]
-    trainer, _ = build_trainer(cfg, model, tokenizer, rows, [], Path(cfg.runs_dir))
+    trainer = build_trainer(TrainingRun(cfg, tokenizer=tokenizer, train_rows=rows, model=model, run_dir=Path(cfg.runs_dir)))
     batch = next(iter(trainer.get_train_dataloader()))
     storages = {}
 

@@ -1,18 +1,96 @@
-"""Making a big GPU behave like a small card: a memory budget that includes the CUDA context.
+"""Device memory, in one place: what this process uses on the GPU, and a budget that makes a big GPU behave like a
+small card.
 
-A 4 GB card gives a process 4 GiB minus its CUDA context (~0.3 GiB on consumer cards, ~0.6 GiB on an
-H200 with CUDA 13). PyTorch's per-process fraction caps only its caching allocator, so we measure the
-context and cap the allocator at budget - context. Memory allocated outside the allocator (bitsandbytes'
-paged optimizer buffers) is not capped: the per-step NVML number in metrics.jsonl shows it.
+Two numbers answer different questions:
+  torch_*_gib      PyTorch's caching allocator (what set_per_process_memory_fraction caps)
+  device_used_gib  NVML's device "used" minus the baseline before this process touched CUDA: what nvidia-smi shows,
+                   including the CUDA context and bitsandbytes' paged buffers, i.e. what must fit the card.
+
+A 4 GB card gives a process 4 GiB minus its CUDA context (~0.3 GiB on consumer cards, ~0.6 GiB on an H200 with
+CUDA 13). PyTorch's per-process fraction caps only its caching allocator, so enforce_budget measures the context and
+caps the allocator at budget - context. Memory allocated outside the allocator (bitsandbytes' paged optimizer
+buffers) is not capped: the per-step NVML number in metrics.jsonl shows it.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import metrics
+_NVML_BASELINE: float | None = None  # device "used" bytes without this process; set once by record_nvml_baseline
+
+
+def _nvml_used_bytes(index: int) -> float | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+    except Exception:
+        return None
+
+
+def holds_cuda_context(index: int = 0) -> bool:
+    """Whether this process already created its CUDA context on `index`. torch.cuda.is_initialized() is not
+    enough: importing bitsandbytes initializes CUDA without creating a context (seen with torch 2.11, CUDA 13)."""
+    import torch
+
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is None or not torch.cuda.is_available():
+        return torch.cuda.is_initialized()
+    return bool(probe(index))
+
+
+def record_nvml_baseline(index: int = 0) -> None:
+    """Remember NVML's device "used" without this process, so device_used_gib counts this process only,
+    CUDA context included. Best called before the first CUDA call (notebooks 01 and 03 do); when this process
+    already holds a context, its size is measured in a fresh subprocess and taken out of the baseline."""
+    global _NVML_BASELINE
+    if _NVML_BASELINE is not None:
+        return
+    used = _nvml_used_bytes(index)
+    if used is None:
+        _NVML_BASELINE = 0.0
+        return
+    if holds_cuda_context(index):
+        used -= measure_context_bytes(index)
+    _NVML_BASELINE = used
+
+
+def process_used_bytes(index: int = 0) -> float | None:
+    """What this process holds on the device by NVML's count (context included); None without NVML."""
+    used = _nvml_used_bytes(index)
+    return None if used is None else used - (_NVML_BASELINE or 0.0)
+
+
+def outside_allocator_gib(index: int = 0) -> float:
+    """This process's device memory that PyTorch's allocator does not hold: the CUDA context, loaded kernels and
+    bitsandbytes' paged buffers. enforce_budget takes it out of the budget."""
+    import torch
+
+    return max(0.0, (process_used_bytes(index) or 0.0) - torch.cuda.memory_reserved(index)) / 2**30
+
+
+def memory_snapshot() -> dict:
+    import psutil
+    import torch
+
+    snap = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        used = process_used_bytes(torch.cuda.current_device())
+        snap.update(
+            torch_allocated_gib=torch.cuda.memory_allocated() / 2**30,
+            torch_reserved_gib=torch.cuda.memory_reserved() / 2**30,
+            torch_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
+            torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+            device_used_gib=None if used is None else used / 2**30,
+        )
+    else:
+        snap.update(torch_allocated_gib=None, torch_reserved_gib=None, torch_peak_gib=None, torch_peak_allocated_gib=None,
+                    device_used_gib=None)
+    return snap
 
 
 @dataclass
@@ -51,12 +129,10 @@ def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
 
     if not torch.cuda.is_available():
         raise RuntimeError("enforce_budget needs a CUDA GPU; on the CPU there is no device memory to cap")
-    metrics.record_nvml_baseline(device)  # corrected for a context created earlier, if there is one
+    record_nvml_baseline(device)  # corrected for a context created earlier, if there is one
     torch.ones(1, device=f"cuda:{device}")  # make sure the context exists so it can be measured
     torch.cuda.synchronize(device)
-    used = metrics._nvml_used_bytes(device)
-    baseline = metrics._NVML_BASELINE or 0.0
-    context = max(0.0, (used or 0.0) - baseline - torch.cuda.memory_reserved(device)) / 2**30
+    context = outside_allocator_gib(device)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     cap = budget_gib - context
     if cap <= 0.1:
@@ -64,4 +140,3 @@ def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
                            "raise budget_gib")
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     return Budget(budget_gib, context, cap, total)
-

@@ -1,82 +1,17 @@
 """Per-step metrics: one JSON line per optimizer step, flushed as it is written, so a crash loses nothing.
-
-Memory is reported two ways, because they answer different questions:
-  torch_*_gib   PyTorch's caching allocator (what set_per_process_memory_fraction caps)
-  device_used_gib  NVML's device "used" minus the baseline before this process touched CUDA: what nvidia-smi
-                   shows, including the CUDA context and bitsandbytes' paged buffers, i.e. what must fit the card.
+Each line carries the step's memory as nb_helpers.memory measures it (PyTorch's allocator and NVML's device used).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-_NVML_BASELINE: float | None = None
-
-
-def _nvml_used_bytes(index: int) -> float | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
-    except Exception:
-        return None
-
-
-def holds_cuda_context(index: int = 0) -> bool:
-    """Whether this process already created its CUDA context on `index`. torch.cuda.is_initialized() is not
-    enough: importing bitsandbytes initializes CUDA without creating a context (seen with torch 2.11, CUDA 13)."""
-    import torch
-
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if probe is None or not torch.cuda.is_available():
-        return torch.cuda.is_initialized()
-    return bool(probe(index))
-
-
-def record_nvml_baseline(index: int = 0) -> None:
-    """Remember NVML's device "used" without this process, so device_used_gib counts this process only,
-    CUDA context included. Best called before the first CUDA call (notebooks 01 and 03 do); when this process
-    already holds a context, its size is measured in a fresh subprocess and taken out of the baseline."""
-    global _NVML_BASELINE
-    if _NVML_BASELINE is not None:
-        return
-    used = _nvml_used_bytes(index)
-    if used is None:
-        _NVML_BASELINE = 0.0
-        return
-    if holds_cuda_context(index):
-        from .memory import measure_context_bytes
-
-        used -= measure_context_bytes(index)
-    _NVML_BASELINE = used
-
-
-def memory_snapshot() -> dict:
-    import psutil
-    import torch
-
-    snap = {"host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / 2**30}
-    if torch.cuda.is_available():
-        index = torch.cuda.current_device()
-        used = _nvml_used_bytes(index)
-        snap.update(
-            torch_allocated_gib=torch.cuda.memory_allocated() / 2**30,
-            torch_reserved_gib=torch.cuda.memory_reserved() / 2**30,
-            torch_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
-            torch_peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
-            device_used_gib=None if used is None else (used - (_NVML_BASELINE or 0.0)) / 2**30,
-        )
-    else:
-        snap.update(torch_allocated_gib=None, torch_reserved_gib=None, torch_peak_gib=None, torch_peak_allocated_gib=None,
-                    device_used_gib=None)
-    return snap
+from .memory import memory_snapshot
 
 
 def _sync() -> None:

@@ -11,10 +11,6 @@ from pathlib import Path
 from .config import RunConfig
 from .metrics import read_metrics
 
-SUMMARY_KEYS = ["model", "device", "steps", "train_loss_first", "train_loss_last", "eval_loss_before",
-                "eval_loss_after", "task_metric", "task_base", "task_tuned", "peak_vram_gib", "median_step_s",
-                "tokens_per_s"]
-
 
 def runs_root(cfg: RunConfig) -> Path:
     return cfg.resolve_path(cfg.runs_dir)
@@ -91,3 +87,9 @@ def list_runs(root: str | Path) -> list[Path]:
         return []
     runs = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and (p / "config.json").exists()]
     return sorted(runs, key=lambda p: (p / "config.json").stat().st_mtime)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

@@ -98,9 +98,9 @@ def test_keyword_exists_in_pinned_version(where, callee, keyword, line):
 
 def test_sft_config_builds_with_every_knob(tmp_path):
     from nb_helpers.config import RunConfig
-    from nb_helpers.training import sft_config
+    from nb_helpers.training import TrainingRun, sft_config
 
-    args = sft_config(RunConfig(), tmp_path)
+    args = sft_config(TrainingRun(RunConfig(), run_dir=tmp_path))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
     assert (args.optim, args.learning_rate, args.max_grad_norm) == ("paged_adamw_8bit", 2e-4, 0.3)
     assert args.gradient_checkpointing and args.max_length == 512 and args.completion_only_loss

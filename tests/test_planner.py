@@ -272,7 +272,7 @@ def test_oom_guard_frees_the_gpu_and_names_the_knob(tiny_cfg):
 
     cfg = tiny_cfg.replace(micro_batch_size=64, max_length=512, gradient_checkpointing=False, max_train_samples=64,
                            task_eval_samples=0, eval_file=None)
-    from nb_helpers import metrics
+    from nb_helpers import memory, metrics
 
     # What enforce_budget will count as the context in this process: a fresh process's context plus whatever earlier
     # tests left outside the allocator (loaded kernels, paged buffers); 0.76 GiB after the fast-path tests, where a
@@ -281,10 +281,10 @@ def test_oom_guard_frees_the_gpu_and_names_the_knob(tiny_cfg):
 
     gc.collect()
     torch.cuda.empty_cache()
-    metrics.record_nvml_baseline(0)
+    memory.record_nvml_baseline(0)
     torch.ones(1, device="cuda")
     torch.cuda.synchronize()
-    context = (metrics._nvml_used_bytes(0) - metrics._NVML_BASELINE - torch.cuda.memory_reserved()) / 2**30
+    context = memory.outside_allocator_gib(0)
     before = torch.cuda.memory_allocated()  # earlier tests' leftovers (cuBLAS workspaces: 2 x 32 MiB on Hopper)
     try:
         with pytest.raises(RuntimeError) as err:

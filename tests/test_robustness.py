@@ -189,7 +189,7 @@ def test_nan_keeps_the_last_good_adapter(tiny_cfg, capsys):
 
 
 def test_a_full_disk_leaves_the_previous_adapter_intact(shared_run):
-    from nb_helpers.training import last_checkpoint, save_adapter
+    from nb_helpers.recovery import last_checkpoint, save_adapter
 
     run_dir = shared_run[1]
     before = (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -225,8 +225,9 @@ def test_pickled_weights_are_refused(tiny_model_dir, tmp_path):
 
 # --- interrupt and resume -----------------------------------------------------------------------------------
 
-def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path):
-    from nb_helpers.training import last_checkpoint, train
+def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path, monkeypatch):
+    from nb_helpers.recovery import last_checkpoint
+    from nb_helpers.training import train
 
     def stop_at_3(record):
         if record.get("step") == 3 and "loss" in record:
@@ -240,6 +241,9 @@ def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path):
     fresh = train(tiny_cfg.replace(max_steps=1, save_steps=50, task_eval_samples=0), verbose=False)
     import shutil
     shutil.rmtree(fresh / "checkpoints", ignore_errors=True)
+    from nb_helpers import training
+
+    monkeypatch.setattr(training, "load_4bit", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(RuntimeError, match="no checkpoint to resume from"):
         train(RunConfig(), resume_from=fresh, verbose=False)
 
@@ -268,18 +272,31 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
     assert json.loads((resumed / "summary.json").read_text())["status"] == "completed"
 
 
-def test_oom_stops_cleanly_and_names_the_knob(tiny_cfg):
+def test_oom_stops_cleanly_and_names_the_knob(tiny_cfg, monkeypatch):
+    import gc
+    import weakref
+
     import torch
 
+    from nb_helpers import training
     from nb_helpers.metrics import read_metrics
-    from nb_helpers.training import train
+
+    models = []
+    attach = training.attach_lora
+    monkeypatch.setattr(training, "attach_lora", lambda *a, **k: models.append(attach(*a, **k)) or models[-1])
 
     def out_of_memory_at_2(record):
         if record.get("step") == 2 and "loss" in record:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     with pytest.raises(RuntimeError) as err:
-        train(tiny_cfg.replace(max_steps=4, task_eval_samples=0), listeners=[out_of_memory_at_2], verbose=False)
+        training.train(tiny_cfg.replace(max_steps=4, task_eval_samples=0), listeners=[out_of_memory_at_2],
+                       verbose=False)
+    model = weakref.ref(models.pop())
+    gc.collect()
+    # The error is still held (as a notebook holds its last error), and the trainer with it: the model must be gone
+    # all the same, or its memory would stay on the GPU.
+    assert model() is None, "after an out-of-memory stop something still holds the model"
     message = str(err.value)
     assert "out of memory at step 2" in message and "micro_batch_size 4 -> 2 with grad_accum 1 -> 2" in message
     run_dir = sorted((tiny_cfg.resolve_path(tiny_cfg.runs_dir)).glob("2*"))[-1]

@@ -1,11 +1,13 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from nb_helpers.config import ConfigError
 from nb_helpers.metrics import read_metrics
-from nb_helpers.runs import SUMMARY_KEYS, load_run
+from nb_helpers.runs import load_run
+from nb_helpers.summary import SUMMARY_KEYS
 from nb_helpers.training import train
 
 
@@ -118,13 +120,13 @@ def test_adapter_weights_match_the_precision_mode(tiny_cfg, tmp_path, dtype, ada
     import torch
 
     from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer
-    from nb_helpers.training import attach_lora, build_trainer
+    from nb_helpers.training import TrainingRun, attach_lora, build_trainer
 
     cfg = tiny_cfg.replace(compute_dtype=dtype)
     choice = ModelChoice(cfg.model, "tiny", "test")
     model = attach_lora(load_4bit(cfg, choice), cfg)
     rows = [{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}]
-    build_trainer(cfg, model, load_tokenizer(cfg.model), rows, [], tmp_path)
+    build_trainer(TrainingRun(cfg, choice, load_tokenizer(cfg.model), rows, model=model, run_dir=tmp_path))
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     assert dtypes == {getattr(torch, adapter_dtype)}
 
@@ -135,3 +137,70 @@ def test_fp16_training_runs_on_gpu(tiny_cfg):
     run_dir = train(tiny_cfg.replace(compute_dtype="float16", max_steps=2, task_eval_samples=0), verbose=False)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["compute_dtype"] == "float16"
+
+
+# --- notebook 03 writes the trainer out; the package builds the same one ----------------------------------------
+
+def notebook_03_code(marker: str) -> str:
+    import nbformat
+
+    from nb_helpers.config import PROJECT_ROOT
+
+    nb = nbformat.read(PROJECT_ROOT / "notebooks" / "03_train.ipynb", as_version=4)
+    found = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    assert len(found) == 1, f"notebook 03 should have one code cell with {marker!r}, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("changes, rows", [
+    ({}, [{"prompt": "q", "completion": "a"}]),
+    ({"compute_dtype": "float32", "eval_steps": 2, "micro_batch_size": 4, "grad_accum": 2, "max_steps": 7},
+     [{"prompt": "q", "completion": "a"}]),
+    ({"completion_only_loss": True, "gradient_checkpointing": False, "lr_scheduler_type": "cosine"}, [{"text": "t"}]),
+])
+def test_notebook_sft_config_matches_the_package(tmp_path, changes, rows):
+    """Notebook 03's SFTConfig(...) cell, run against a TrainingRun, equals training.sft_config: the CLI trains
+    with exactly the settings the notebook teaches."""
+    from trl import SFTConfig
+
+    from nb_helpers.config import RunConfig
+    from nb_helpers.dtypes import resolve_compute_dtype
+    from nb_helpers.training import TrainingRun, bookkeeping_args, sft_config
+
+    run = TrainingRun(RunConfig(**changes), train_rows=rows, eval_rows=rows, run_dir=tmp_path)
+    names = {"SFTConfig": SFTConfig, "resolve_compute_dtype": resolve_compute_dtype,
+             "bookkeeping_args": bookkeeping_args, "cfg": run.cfg, "run": run}
+    exec(notebook_03_code("SFTConfig("), names)
+    assert names["args"].to_dict() == sft_config(run).to_dict()
+    assert names["args"].completion_only_loss is (changes.get("completion_only_loss", True) and "text" not in rows[0])
+
+
+def test_notebook_builds_the_trainer_as_build_trainer_does():
+    import ast
+    import inspect
+
+    from nb_helpers import training
+
+    def keywords(code: str) -> dict:
+        calls = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "SFTTrainer"]
+        assert len(calls) == 1
+        return {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
+
+    notebook = keywords(notebook_03_code("SFTTrainer("))
+    package = keywords(inspect.getsource(training.build_trainer))
+    assert notebook.pop("args") == "args" and package.pop("args") == "sft_config(run)"
+    assert notebook == package
+    assert "adapt_trainer(run, trainer)" in notebook_03_code("SFTTrainer(")
+
+
+def test_summary_keys_are_listed_once():
+    from nb_helpers.summary import SUMMARY_KEYS, print_summary, summarize
+
+    with pytest.raises(KeyError, match="not in nb_helpers.summary"):
+        summarize(Path("."), "m", {"eval_los_after": 1.0})  # a typo is refused, not written
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        print_summary(dict.fromkeys(SUMMARY_KEYS))
+    assert all(f"{k}=None" in out.getvalue() for k in SUMMARY_KEYS)
