@@ -464,3 +464,25 @@ def default_context_gib(device: int = 0) -> float:
         return _CONTEXT_CACHE[device]
     except Exception:  # noqa: BLE001 - a planner must answer even where NVML is missing
         return CONSUMER_CONTEXT_GIB
+
+
+# --- model shapes a widget can offer -----------------------------------------------------------------------------
+def shapes_dir():
+    from .config import PROJECT_ROOT
+
+    return PROJECT_ROOT / "bench" / "shapes"
+
+
+def known_shapes() -> dict[str, str]:
+    """name -> one line about it, for every public model whose config.json ships in bench/shapes/ (Qwen3, Gemma 3,
+    Llama-3.2, Phi-4-mini, ...): the choices of a model-family widget. No download, no weights."""
+    return {path.stem: load_shape(str(path)).describe() for path in sorted(shapes_dir().glob("*.json"))}
+
+
+def plan_for_family(cfg, name: str, context_gib: float | None = None,
+                    gpu_capability: tuple[int, int] | None = None) -> Plan:
+    """plan_for_config for one of known_shapes() (e.g. "qwen3-1.7b"), with the config's other knobs as they are."""
+    path = shapes_dir() / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"no shape {name!r}; known: {', '.join(known_shapes())}")
+    return plan_for_config(cfg, load_shape(str(path)), context_gib=context_gib, gpu_capability=gpu_capability)

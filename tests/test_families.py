@@ -236,3 +236,18 @@ def test_families_known_to_the_planner_are_listed():
     from nb_helpers.architecture import known_families
 
     assert set(TINY) <= set(FAMILIES) and "Phi-4-mini" in known_families()["phi3"]
+
+
+def test_a_widget_can_plan_each_known_shape():
+    from nb_helpers.config import RunConfig
+    from nb_helpers.planner import known_shapes, plan_for_family
+
+    shapes = known_shapes()
+    assert {"qwen3-1.7b", "gemma3-1b", "phi-4-mini", "llama-3.2-1b", "tinyllama-1.1b"} <= set(shapes)
+    assert "fused qkv_proj" in shapes["phi-4-mini"]
+    cfg = RunConfig(max_length=512, budget_gib=4.0)
+    small, big = (plan_for_family(cfg, n, context_gib=0.6, gpu_capability=(9, 0)) for n in ("qwen3-0.6b", "qwen3-4b"))
+    assert small.fits and small.peak_gib < big.peak_gib and big.shape.name == "qwen3-4b"
+    assert plan_for_family(cfg, "phi-4-mini", context_gib=0.3).inputs.targets == ("qkv_proj", "o_proj")
+    with pytest.raises(ValueError, match="no shape 'qwen9'"):
+        plan_for_family(cfg, "qwen9")
