@@ -260,8 +260,9 @@ def resolve_targets(targets, available) -> tuple[str, ...]:
         elif name not in out:
             out.append(name)
     if missing:
-        raise ValueError(f"target_modules {missing} are not linear layers of this model; its linear layers are "
-                         f"{sorted(set(available))}: pick from those (lm_head is best left out), or all-linear")
+        raise ValueError(f"target_modules {missing} do not exist in this model (they are not linear layers of it); "
+                         f"its linear layers are {sorted(set(available))}: pick from those (lm_head is best left "
+                         "out), or all-linear")
     return tuple(out)
 
 

@@ -62,7 +62,7 @@ def test_recipe_targets_map_to_each_familys_names():
     assert resolve_targets(["q_proj", "v_proj", "up_proj"], phi.all_linear()) == ("qkv_proj", "gate_up_proj")
     assert resolve_targets(["qkv_proj"], phi.all_linear()) == ("qkv_proj",)
     assert resolve_targets(QKVO, Shape.from_config(tiny_config("qwen3")).all_linear()) == QKVO
-    with pytest.raises(ValueError, match=r"\['wq'\] are not linear layers of this model.*qkv_proj"):
+    with pytest.raises(ValueError, match=r"\['wq'\] do not exist in this model.*qkv_proj"):
         resolve_targets(["wq"], phi.all_linear())
 
 
@@ -226,7 +226,7 @@ def test_lora_config_and_check_targets_use_the_models_names(family_dir):
     from nb_helpers.lora import check_targets, lora_config, trainable_table
 
     model = build(tiny_config("phi3"), device="cpu")
-    with pytest.raises(ConfigError, match=r"\['gate'\] are not linear layers.*gate_up_proj"):
+    with pytest.raises(ConfigError, match=r"\['gate'\] do not exist.*gate_up_proj"):
         check_targets(model, ["gate"])
     peft_model = get_peft_model(model, lora_config(RunConfig(), model))
     assert {row["layer"] for row in trainable_table(peft_model)} == {"qkv_proj", "o_proj"}
