@@ -1,37 +1,45 @@
-"""Build a TinyLlama-1.1B-shaped Llama (or another shape: --shape) with random weights, for GPU speed and memory
-runs without the Hub.
+"""Build a random-weight model of a real model's shape (TinyLlama-1.1B by default; --shape for the others), for GPU
+speed and memory runs without the Hub.
 
-Same shapes as TinyLlama/TinyLlama-1.1B-Chat-v1.0 (hidden 2048, MLP 5632, 22 layers, 32 heads, 4 KV heads,
-vocab 32000, untied head), so the same bytes and FLOPs per token; the loss is meaningless, the cost is real.
-The tokenizer is a byte-level BPE trained on the shipped data with room for 32000 entries (TinyLlama's own
-tokenizer needs the Hub); it only has to produce ids inside the 32000-row embedding.
+Each shape is the public model's config.json as published (bench/shapes/<name>.json: TinyLlama-1.1B, SmolLM2-135M,
+Llama-3.2-1B/3B, Qwen2.5-0.5B, Qwen3-0.6B/1.7B/4B, Gemma-3-270M/1B, Phi-4-mini, SmolLM3-3B), so the same bytes and
+FLOPs per token; the loss is meaningless, the cost is real. transformers builds the model from that config alone
+(any family nb_helpers.architecture models), on the GPU when there is one. The tokenizer is a byte-level BPE
+trained on the shipped data with room for 32000 entries (the real tokenizers need the Hub); it only has to produce
+ids inside every shape's embedding (all have >= 32000 rows).
 
     python bench/build_tinyllama_shape.py --out /tmp/tinyllama-shape
-    python bench/build_tinyllama_shape.py --shape llama-3.2-3b --out /tmp/llama3b-shape
+    python bench/build_tinyllama_shape.py --shape qwen3-1.7b --out /tmp/shape-qwen3-1.7b
+    python bench/build_tinyllama_shape.py --list
 
-The other shapes are SmolLM2-135M (the embedded default) and Llama-3.2-3B (tied head, vocab 128256); the
-planner validation (bench/planner_grid.py) uses all three. --max-positions raises the position limit for long
-sequence runs; it changes no tensor sizes (rotary embeddings are computed, not stored).
+--max-positions raises the position limit for long sequence runs; it changes no tensor sizes (rotary embeddings
+are computed, not stored).
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-TINYLLAMA_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
-                       tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
-                     rms_norm_eps=1e-5, rope_theta=100000.0)
-LLAMA32_3B_SHAPE = dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
-                        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=500000.0)
-SHAPES = {"tinyllama-1.1b": TINYLLAMA_SHAPE, "smollm2-135m": SMOLLM2_SHAPE, "llama-3.2-3b": LLAMA32_3B_SHAPE}
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SHAPES_DIR = ROOT / "bench" / "shapes"
+TOKENIZER_VOCAB = 32000
+
+
+def shape_config(name: str) -> dict:
+    """config.json of a known shape (bench/shapes/<name>.json)."""
+    path = SHAPES_DIR / f"{name}.json"
+    if not path.exists():
+        raise SystemExit(f"unknown shape {name!r}; known: {', '.join(sorted(SHAPES))}")
+    return json.loads(path.read_text())
+
+
+SHAPES = {p.stem: json.loads(p.read_text()) for p in sorted(SHAPES_DIR.glob("*.json"))}
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -48,7 +56,7 @@ def build_tokenizer(data_dir: Path) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINYLLAMA_SHAPE["vocab_size"], special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus(data_dir), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
@@ -59,30 +67,44 @@ def build_tokenizer(data_dir: Path) -> PreTrainedTokenizerFast:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--max-positions", type=int, default=None)
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parent.parent / "data"))
+    parser.add_argument("--data", default=str(ROOT / "data"))
+    parser.add_argument("--list", action="store_true", help="print each shape with its parameter count and exit")
     args = parser.parse_args()
+    if args.list:
+        from nb_helpers.architecture import Shape
+
+        for name, config in SHAPES.items():
+            shape = Shape.from_config(config, name=name)
+            print(f"{name:<16} {shape.total_params / 1e9:6.3f} B  {shape.describe()}")
+        return
+    if not args.out:
+        parser.error("--out is required (or --list)")
     build(args.shape, args.out, Path(args.data), args.max_positions)
 
 
 def build(shape: str, out: str, data_dir: Path, max_positions: int | None = None) -> None:
+    """A random-weight bf16 model of this shape, saved with the tokenizer (on the GPU when there is one)."""
+    from nb_helpers.architecture import config_object
+
     tokenizer = build_tokenizer(data_dir)  # ids < 32000 fit every shape's embedding
     dims = dict(SHAPES[shape])
     if max_positions:
         dims["max_position_embeddings"] = max(max_positions, dims["max_position_embeddings"])
-    config = LlamaConfig(**dims, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    dims.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    config = config_object(dims)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
-    print(f"built {out} ({shape}): {params / 1e9:.3f} B parameters, tokenizer with {len(tokenizer)} entries "
-          f"(ids < {config.vocab_size})")
+    print(f"built {out} ({shape}, {type(model).__name__}): {params / 1e9:.3f} B parameters, tokenizer with "
+          f"{len(tokenizer)} entries (ids < {config.vocab_size})")
 
 
 if __name__ == "__main__":

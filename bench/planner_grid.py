@@ -6,6 +6,9 @@ minus the baseline before the process touched CUDA (context included, sampled ev
 max_memory_reserved. Rows are written to --out as JSON lines as they finish, so a time limit loses nothing.
 
     python bench/planner_grid.py --points all --out /tmp/grid.jsonl
+    python bench/planner_grid.py --points f1,f2,f6,f7 --out bench/results/raw/grid5-families.jsonl
+
+Shapes are built once per machine under /tmp/shape-<name> (bench/build_tinyllama_shape.py), any family it knows.
 """
 
 from __future__ import annotations
@@ -83,6 +86,34 @@ LEAN = [
     ("k2", "llama-3.2-3b", 2048, 2, 1, 8, "all-linear", True, 48),
     ("k3", "llama-3.2-3b", 1024, 1, 1, 8, QKVO, False, 48),
 ]
+# Model families beyond Llama (issue 11), on the lean GPU path (the non-Llama families run stock layers: liger is
+# wired for Llama only). Shapes from bench/shapes/; budget 4 GiB where the planner predicts a fit on the H200
+# (0.60 GiB context), more where it does not (those points measure the formulas, not the fit). Each family has one
+# point without checkpointing: it measures every per-layer term directly.
+FAMILIES = [
+    ("f1", "qwen3-1.7b", 512, 1, 8, 8, QKVO, True, 4),       # issue 11's table: 2.27 GiB on the plain recipe
+    ("f2", "qwen3-1.7b", 2048, 1, 8, 8, QKVO, True, 4),      # 2.63 GiB there
+    ("f3", "qwen3-1.7b", 1024, 4, 2, 16, "all-linear", True, 4),
+    ("f4", "qwen3-1.7b", 512, 2, 1, 8, QKVO, False, 16),
+    ("f5", "qwen3-1.7b", 8192, 1, 2, 8, QKVO, True, 8),      # issue 11's target: <= 4.0 GiB
+    ("f6", "qwen3-4b", 512, 1, 8, 8, QKVO, True, 4),         # 3.61 GiB there
+    ("f7", "qwen3-4b", 2048, 1, 8, 8, QKVO, True, 8),        # 4.26 GiB there: over a 4 GB card
+    ("f8", "qwen3-0.6b", 512, 8, 1, 8, QKVO, True, 4),
+    ("f9", "qwen3-0.6b", 2048, 4, 2, 16, "all-linear", True, 4),
+    ("g1", "gemma3-1b", 512, 1, 8, 8, QKVO, True, 4),        # window 512: no sliding mask
+    ("g2", "gemma3-1b", 2048, 1, 8, 8, QKVO, True, 4),       # 22 of 26 layers need the sliding mask
+    ("g3", "gemma3-1b", 1024, 4, 2, 16, "all-linear", True, 4),
+    ("g4", "gemma3-1b", 1024, 2, 1, 8, QKVO, False, 16),
+    ("g5", "gemma3-270m", 2048, 4, 2, 8, QKVO, True, 4),
+    ("e1", "llama-3.2-1b", 512, 1, 8, 8, QKVO, True, 4),
+    ("e2", "llama-3.2-1b", 2048, 2, 4, 8, QKVO, True, 4),
+    ("e3", "llama-3.2-1b", 1024, 2, 1, 16, "all-linear", False, 16),
+    ("p1", "phi-4-mini", 512, 1, 8, 8, QKVO, True, 6),       # predicted 3.94 GiB: a cap at 4 would cut it off
+    ("p2", "phi-4-mini", 1024, 2, 4, 16, "all-linear", True, 8),
+    ("p3", "phi-4-mini", 512, 2, 1, 8, QKVO, False, 16),
+    ("w1", "qwen2.5-0.5b", 2048, 4, 2, 16, "all-linear", True, 4),
+    ("w2", "qwen2.5-0.5b", 512, 4, 1, 8, QKVO, False, 16),
+]
 # Auto-fit against the reference recipe on the TinyLlama shape at 4 GiB, effective batch 8, in one call.
 AUTOFIT = [(f"{name}-{seq}", seq, extra) for seq in (512, 2048) for name, extra in (
     ("reference", dict(micro_batch_size=1, grad_accum=8, gradient_checkpointing=True)),
@@ -151,7 +182,8 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--points", default="all", help="comma list of point ids, all, holdout, lean, or autofit")
+    parser.add_argument("--points", default="all",
+                        help="comma list of point ids, all, holdout, lean, families, or autofit")
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
@@ -174,9 +206,9 @@ def main() -> None:
             for line in row.get("autofit_log", []):
                 print("   ", line, flush=True)
         return
-    pool = {"holdout": HOLDOUT, "lean": LEAN}.get(args.points) or \
-        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN
-    if args.points in ("all", "holdout", "lean"):
+    pool = {"holdout": HOLDOUT, "lean": LEAN, "families": FAMILIES}.get(args.points) or \
+        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN + FAMILIES
+    if args.points in ("all", "holdout", "lean", "families"):
         chosen = pool
     else:  # in the order given
         by_id = {p[0]: p for p in pool}

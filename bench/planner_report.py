@@ -34,7 +34,10 @@ SETS = {"grid1-fit.jsonl": "fit", "grid2-holdout.jsonl": "holdout", "grid3-holdo
 # The lean GPU path (issue 8), two device calls on 2026-11-30. Call 2's grid ran with expandable segments; the
 # allocator constants (EXPANDABLE_OVERHEAD_GIB, ALLOCATOR_OVERHEAD_GC_LEAN) were fitted on these same points, after
 # both calls: there was no device time left for a holdout call.
-LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)"}
+LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
+             # issue 11: Qwen3, Gemma 3, Llama-3.2-1B, Phi-4-mini, Qwen2.5 shapes (bench/planner_grid.py --points
+             # families); the planner's constants were not refitted on them
+             "grid5-families.jsonl": "families, grid"}
 THROUGHPUT = {"throughput.json": ("lean path, throughput runs (call 1)", False),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True)}
 
@@ -57,6 +60,8 @@ def rows():
                 r.update(batch=r["chosen_batch"], accum=r["chosen_accum"], gc=r["chosen_gc"])
             yield role, r, OLD_PATH
     for name, role in LEAN_GRID.items():
+        if not (RAW / name).exists():
+            continue
         for line in (RAW / name).read_text().splitlines():
             r = json.loads(line)
             if r["returncode"] == 0:
@@ -80,7 +85,7 @@ def main() -> None:
     out = []
     for role, r, path in rows():
         shape = Shape.from_config(SHAPES[r["shape"]], name=r["shape"])
-        targets = ALL_LINEAR if r["targets"] == "all-linear" else QKVO
+        targets = ALL_LINEAR if r["targets"] == "all-linear" else QKVO  # under each model's names (Phi: qkv_proj)
         inp = PlanInput(seq=r["seq"], batch=r["batch"], accum=r["accum"], rank=r["rank"], targets=targets,
                         gradient_checkpointing=r["gc"], context_gib=r["context_gib"], gpu_capability=(9, 0), **path)
         p = plan(shape, inp)
@@ -98,11 +103,11 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("| id | set | shape | seq | batch×accum | rank | targets | GC | predicted GiB | measured GiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for o in [o for o in out if o["set"].startswith("lean")]:
+    for o in [o for o in out if o["set"].startswith(("lean", "families"))]:
         print(f"| {o['id']} | {o['set']} | {o['shape']} | {o['seq']} | {o['batch']}×{o['accum']} | {o['rank']} | "
               f"{o['targets']} | {'on' if o['gc'] else 'off'} | {o['predicted_gib']:.2f} | {o['measured_gib']:.2f} | "
               f"{o['error_pct']:+.1f}% |")
-    lean = [o for o in out if o["set"].startswith("lean")]
+    lean = [o for o in out if o["set"].startswith(("lean", "families"))]
     worst = max(lean, key=lambda o: abs(o["error_pct"]))
     print(f"\nlean path: {len(lean)} points, {len({o['shape'] for o in lean})} shapes; worst error {worst['error_pct']:+.1f}% "
           f"({worst['id']}); mean |error| {sum(abs(o['error_pct']) for o in lean) / len(lean):.1f}%")

@@ -169,6 +169,9 @@ def _token_count(tokenizer, row: dict) -> tuple[int, int]:
     """(prompt tokens, total tokens) as the trainer will see them."""
     if "text" in row:
         return 0, len(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):  # the template is the model's own; we never invent one
+        raise DataError("this model's tokenizer has no chat template (a base checkpoint?), so chat rows cannot be "
+                        "formatted: use the model's instruct/chat variant, or {'text': ...} rows")
     prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -42,6 +42,16 @@ def compute_dtype_for(capability: tuple[int, int] | None) -> str:
     return "bfloat16" if tuple(capability) >= (8, 0) else "float16"
 
 
+def gpu_compute_dtype(requested: str, capability: tuple[int, int] | None) -> str:
+    """What a GPU of this compute capability trains in when the config asks for `requested`: "auto" picks by
+    capability; an explicit bf16 on a card without it (below 8.0) becomes fp16 (preflight says so when it happens).
+    The planner, preflight and `plan` all ask here."""
+    dtype = compute_dtype_for(capability) if requested == "auto" else requested
+    if dtype == "bfloat16" and capability is not None and tuple(capability) < (8, 0):
+        return "float16"
+    return dtype
+
+
 def dtype_reason(capability: tuple[int, int] | None, dtype: str) -> str:
     """Why compute_dtype_for chose `dtype`, in words for the environment check and the config printout."""
     if capability is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from .config import ConfigError, RunConfig
@@ -18,21 +19,23 @@ def linear_layer_names(model) -> dict[str, int]:
     return dict(counts)
 
 
-def check_targets(model, targets: list[str]) -> None:
-    available = linear_layer_names(model)
-    if targets == ["all-linear"] or targets == "all-linear":
-        return
-    missing = [t for t in targets if t not in available]
-    if missing:
-        raise ConfigError(f"target_modules {missing} do not exist in this model; its linear layers are "
-                          f"{sorted(available)} — pick from those (lm_head is best left out)")
+def check_targets(model, targets: list[str]) -> list[str]:
+    """The targets under this model's names (Phi fuses q/k/v into qkv_proj), or ConfigError naming the real ones."""
+    from .architecture import resolve_targets
+
+    try:
+        return list(resolve_targets(targets, linear_layer_names(model)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-def lora_config(cfg: RunConfig):
-    """The LoRA settings as a peft.LoraConfig (notebook 02 builds the same one inline)."""
+def lora_config(cfg: RunConfig, model=None):
+    """The LoRA settings as a peft.LoraConfig (notebook 02 builds the same one inline). With the model, the targets
+    are first put under its names (check_targets)."""
     from peft import LoraConfig
 
-    targets = "all-linear" if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    targets = check_targets(model, cfg.target_modules) if model is not None else list(cfg.target_modules)
+    targets = "all-linear" if targets == ["all-linear"] else targets
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, bias="none", task_type="CAUSAL_LM")
 
@@ -65,9 +68,47 @@ def parameter_counts(model) -> tuple[int, int]:
     return trainable, total
 
 
-def adapter_training_bytes(trainable_params: int, optim: str) -> dict:
-    """Bytes the adapter costs during training: fp32 weights + fp32 grads + optimizer state
-    (AdamW keeps two moments: 8 bytes/param in fp32, 2 bytes/param in the 8-bit optimizers)."""
-    state = {"paged_adamw_8bit": 2, "adamw_8bit": 2}.get(optim, 0 if optim == "sgd" else 8)
-    return {"weights": 4 * trainable_params, "gradients": 4 * trainable_params, "optimizer_state": state * trainable_params,
-            "total": (8 + state) * trainable_params}
+BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
+BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
+
+
+def adapter_param_bytes(compute_dtype: str, load_in_4bit: bool = True, adapters_fp32: bool = False) -> int:
+    """Bytes per LoRA parameter as training holds it. TRL 1.16 casts the adapters of a quantized model to bf16;
+    training.build_trainer casts them back to fp32 when the run is not bf16 (fp16 mixed precision cannot unscale
+    bf16 gradients; fp32 runs compute in fp32) or when fastpath's adapters_fp32 asks. Unquantized models keep
+    peft's fp32 adapters. `compute_dtype` is the resolved dtype, not "auto"."""
+    return 2 if load_in_4bit and compute_dtype == "bfloat16" and not adapters_fp32 else 4
+
+
+def optimizer_bytes(sizes, optim: str, param_bytes: int) -> float:
+    """Optimizer state for trainable tensors of these sizes. bitsandbytes' 8-bit AdamW: two uint8 moments plus an
+    fp32 absmax per 256 values, fp32 moments for tensors under 4096 values; torch AdamW: two moments like the
+    parameter; paged_adamw_32bit: two fp32 moments; SGD (no momentum): nothing."""
+    if optim in ("paged_adamw_8bit", "adamw_8bit"):
+        return float(sum(2 * n + 8 * math.ceil(n / BNB_BLOCK) if n >= BNB_8BIT_MIN_SIZE else 8 * n for n in sizes))
+    if optim == "paged_adamw_32bit":
+        return 8.0 * sum(sizes)
+    if optim == "sgd":
+        return 0.0
+    return 2.0 * param_bytes * sum(sizes)
+
+
+def adapter_sizes(model) -> list[int]:
+    """The size of every trainable tensor (each LoRA A and B)."""
+    return [p.numel() for p in model.parameters() if p.requires_grad]
+
+
+def adapter_training_bytes(trainable, optim: str, compute_dtype: str = "auto", load_in_4bit: bool = True) -> dict:
+    """Bytes the adapter costs during training: weights + gradients (in the dtype training holds them,
+    adapter_param_bytes) + optimizer state. `trainable` is the model (exact: one entry per tensor), a list of
+    tensor sizes, or a parameter count (read as one tensor)."""
+    from .dtypes import resolve_compute_dtype
+    from .fastpath import FastOptions
+
+    sizes = adapter_sizes(trainable) if hasattr(trainable, "parameters") else \
+        ([trainable] if isinstance(trainable, int) else list(trainable))
+    per_param = adapter_param_bytes(resolve_compute_dtype(compute_dtype), load_in_4bit,
+                                    FastOptions.from_env().adapters_fp32)
+    weights = per_param * sum(sizes)
+    state = optimizer_bytes(sizes, optim, per_param)
+    return {"weights": weights, "gradients": weights, "optimizer_state": state, "total": 2 * weights + state}

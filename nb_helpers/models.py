@@ -169,20 +169,14 @@ def keep_cpu_weights_trainable(model) -> int:
 
 
 def sixteen_bit_bytes_from_config(config) -> dict:
-    """Bytes the model would take in 16-bit, from config.json alone (no weights needed)."""
-    h, n_layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or h // heads
-    inter = config.intermediate_size
-    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q,o + k,v
-    mlp = 3 * h * inter  # gate, up, down
-    linear = n_layers * (attn + mlp)
-    embed = vocab * h
-    head = 0 if getattr(config, "tie_word_embeddings", False) else vocab * h
-    norms = n_layers * 2 * h + h
-    return {"linear_params": linear, "embedding_params": embed + head, "norm_params": norms,
-            "total_params": linear + embed + head + norms, "bytes_16bit": 2 * (linear + embed + head + norms)}
+    """Bytes the model would take in 16-bit, from config.json alone (no weights needed): the parameter counts of
+    architecture.Shape, the one place they are computed, for every family it models."""
+    from .architecture import Shape
+
+    shape = Shape.from_config(config)
+    return {"linear_params": shape.linear_params, "embedding_params": shape.embedding_params,
+            "norm_params": shape.norm_params, "bias_params": shape.bias_params, "total_params": shape.total_params,
+            "bytes_16bit": 2 * shape.total_params}
 
 
 def _quant_state_bytes(state) -> int:

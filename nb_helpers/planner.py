@@ -78,11 +78,12 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/
 
 from __future__ import annotations
 
-import json
-import math
 import platform
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+
+from .lora import adapter_param_bytes, optimizer_bytes
+from .architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel, known_families, load_shape,  # noqa: F401
+                           nf4_bytes, resolve_targets)
 
 GIB = 2**30
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
@@ -93,72 +94,13 @@ ALLOCATOR_OVERHEAD_NO_GC = 0.05  # the same without checkpointing
 EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments (the GPU default on Linux): flat
 LOGPROB_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
-BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
-BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
-QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on Hopper and newer, else
 # 4096 KiB x 2 + 16 KiB x 8. The forward (main thread) and the autograd thread each hold one handle.
 CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-@dataclass
-class Shape:
-    """The numbers of a Llama-family config.json that memory depends on."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    max_positions: int | None = None
-    name: str = ""
-
-    @classmethod
-    def from_config(cls, config, name: str = "") -> "Shape":
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else \
-            (lambda k, d=None: getattr(config, k, d))
-        heads = get("num_attention_heads")
-        return cls(hidden=get("hidden_size"), intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
-                   heads=heads, kv_heads=get("num_key_value_heads") or heads,
-                   head_dim=get("head_dim") or get("hidden_size") // heads, vocab=get("vocab_size"),
-                   tied=bool(get("tie_word_embeddings", False)), max_positions=get("max_position_embeddings"),
-                   name=name)
-
-    def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each linear layer type in one decoder layer."""
-        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def linear_params(self) -> int:
-        return self.layers * sum(a * b for a, b in self.linear_dims().values())
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2)
-
-    @property
-    def norm_params(self) -> int:
-        return (2 * self.layers + 1) * self.hidden
-
-
-def load_shape(model: str) -> Shape:
-    """Read config.json only: a local folder, a path to the file, or a hub id (downloads config.json, ~1 KB)."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        return Shape.from_config(json.loads(path.read_text()),
-                                 name=path.parent.name if path.name == "config.json" else path.stem)
-    if (path / "config.json").exists():
-        return Shape.from_config(json.loads((path / "config.json").read_text()), name=path.name)
-    from transformers import AutoConfig
-
-    return Shape.from_config(AutoConfig.from_pretrained(model), name=model)
+# Families the GPU path runs with liger's fused RMSNorm and SwiGLU (nb_helpers.fastpath wires Llama only); the others
+# run the stock layers whatever PlanInput.fused_kernels says.
+FUSED_KERNEL_FAMILIES = ("llama",)
 
 
 @dataclass
@@ -183,6 +125,7 @@ class PlanInput:
     fused_kernels: bool = True  # liger SwiGLU saves its two inputs only (the stock MLP also keeps SiLU's output)
     nomask: bool = True  # right-padded batches run without a mask: flash SDPA, native GQA, no bias tensor
     expandable: bool = True  # expandable allocator segments (Linux): a flat allocator overhead instead of a share
+    adapters_fp32: bool = False  # fastpath's adapters_fp32: fp32 LoRA weights in bf16 runs (lora.adapter_param_bytes)
 
     @property
     def tokens(self) -> int:
@@ -238,7 +181,7 @@ COMPONENT_LABELS = {
     "weights_4bit": "4-bit linear weights",
     "quant_constants": "quantization constants",
     "embeddings_head": "embeddings + head",
-    "norms": "norms",
+    "norms": "norms, biases",
     "cublas": "cuBLAS workspaces",
     "lora_weights": "LoRA weights",
     "lora_grads": "LoRA gradients",
@@ -253,24 +196,20 @@ COMPONENT_LABELS = {
 }
 
 
+def plan_targets(shape: Shape, targets) -> tuple[str, ...]:
+    """The targets under the model's own names (Phi: q,k,v -> qkv_proj); all-linear -> every linear layer."""
+    resolved = resolve_targets(targets, shape.all_linear())
+    return shape.all_linear() if resolved == ("all-linear",) else resolved
+
+
 def lora_tensors(shape: Shape, inp: PlanInput) -> list[int]:
     """Sizes of every LoRA tensor (A and B of each target in each layer)."""
     dims = shape.linear_dims()
     sizes = []
-    for target in inp.targets:
+    for target in plan_targets(shape, inp.targets):
         d_in, d_out = dims[target]
         sizes += [inp.rank * d_in, d_out * inp.rank]
     return sizes * shape.layers
-
-
-def optimizer_bytes(sizes: list[int], optim: str, param_bytes: int) -> float:
-    if optim in ("paged_adamw_8bit", "adamw_8bit"):
-        return float(sum(2 * n + 8 * math.ceil(n / BNB_BLOCK) if n >= BNB_8BIT_MIN_SIZE else 8 * n for n in sizes))
-    if optim == "paged_adamw_32bit":
-        return 8.0 * sum(sizes)
-    if optim == "sgd":
-        return 0.0
-    return 2.0 * param_bytes * sum(sizes)  # torch AdamW: exp_avg and exp_avg_sq like the parameter
 
 
 def residual_bytes(inp: PlanInput) -> int:
@@ -278,44 +217,66 @@ def residual_bytes(inp: PlanInput) -> int:
     return DTYPE_BYTES[inp.compute_dtype] if inp.lean else 4
 
 
-def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool) -> float:
-    """Bytes one decoder layer saves for backward, per token (GC off), bf16/fp16 autocast."""
+def fused_kernels_apply(shape: Shape, inp: PlanInput) -> bool:
+    return inp.fused_kernels and shape.family in FUSED_KERNEL_FAMILIES
+
+
+def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool, sliding: bool = False) -> float:
+    """Bytes one decoder layer saves for backward, per token (GC off), bf16/fp16 autocast. `sliding`: a layer that
+    attends within a window shorter than the sequence (it needs a mask)."""
     h, i, nh, nkv, hd = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
     rb = residual_bytes(inp)
-    norms = 2 * (rb * h + 4)
-    masked = padded and not inp.nomask
+    fused = fused_kernels_apply(shape, inp)
+    # liger's RMSNorm saves its 16-bit input; the stock norms (and Gemma's always) save an fp32 copy of it
+    norm_input = rb if fused else 4
+    norms = shape.norms_per_layer * (norm_input * h + 4)
+    if shape.qk_norm:  # stock RMSNorm on every query and key head: fp32 copy + one rstd per head
+        norms += 4 * (nh + nkv) * hd + 4 * (nh + nkv)
+    masked = (padded and not inp.nomask) or sliding
     attention = (8 * nh * hd if masked else 4 * nh * hd + 4 * nkv * hd) + 4 * nh
     if masked:  # the efficient kernel turns the bool mask into an additive bias in the compute dtype, kept per layer
         attention += 2 * inp.seq
-    mlp = (2 if inp.fused_kernels else 3) * rb * i
+    if shape.fused and (not masked or nkv == nh):  # v is a view of the fused qkv output, which stays alive whole
+        attention += 2 * (nh + nkv) * hd
+    mlp = (2 if fused else 3) * rb * i
     dims = shape.linear_dims()
     mask = 1 if inp.lora_dropout > 0 else 0
-    lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in inp.targets)
+    lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in plan_targets(shape, inp.targets))
     return norms + attention + mlp + lora
+
+
+def sliding_layers_masked(shape: Shape, inp: PlanInput) -> int:
+    """Layers whose window is shorter than the sequence: they run with a mask (a window as long as the sequence
+    changes nothing, and transformers skips the mask then)."""
+    return shape.sliding_layers if shape.sliding_window and inp.seq > shape.sliding_window else 0
+
+
+def unmodelled_notes(shape: Shape) -> list[str]:
+    notes = []
+    if shape.attn_softcap:
+        notes.append(f"attention soft-capping ({shape.attn_softcap}) is not modelled: SDPA cannot apply it, so "
+                     "transformers needs eager attention, which keeps each layer's (heads x seq x seq) scores; "
+                     "the prediction assumes SDPA and is low at long sequences")
+    return notes
 
 
 def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     if inp.loss != "trl-fused":
         raise ValueError(f"loss={inp.loss!r}: only 'trl-fused' (TRL 1.16's chunked log-prob loss) is modelled")
-    unknown = [t for t in inp.targets if t not in shape.linear_dims()]
-    if unknown:
-        raise ValueError(f"targets {unknown} are not linear layers of a Llama-family model; use some of "
-                         f"{', '.join(ALL_LINEAR)} or all-linear")
+    inp = PlanInput(**{**asdict(inp), "targets": plan_targets(shape, inp.targets)})
     h, i, L, T = shape.hidden, shape.intermediate, shape.layers, inp.tokens
     N = max(1, round(inp.batch * (inp.seq - 1) * inp.labelled_fraction))
     padded = inp.batch > 1 if inp.padded is None else inp.padded
-    adapter_bytes = DTYPE_BYTES["bfloat16"] if inp.compute_dtype == "bfloat16" else 4
+    adapter_bytes = adapter_param_bytes(inp.compute_dtype, adapters_fp32=inp.adapters_fp32)
     compute = 2 if inp.compute_dtype in ("bfloat16", "float16") else 4
 
     c: dict[str, float] = {}
     c["context"] = inp.context_gib * GIB
     c["runtime"] = RUNTIME_OVERHEAD_GIB * GIB
-    linear = shape.linear_params
-    c["weights_4bit"] = linear / 2
-    c["quant_constants"] = linear / 64 + 4 * linear / (64 * 256) if inp.double_quant else 4 * linear / 64
+    c["weights_4bit"], c["quant_constants"] = nf4_bytes(shape.linear_params, inp.double_quant)
     rb = residual_bytes(inp)  # embeddings, head and norms: compute dtype (lean) or fp32 (prepare_model_for_kbit)
     c["embeddings_head"] = float(rb * shape.embedding_params)
-    c["norms"] = float(rb * shape.norm_params)
+    c["norms"] = float(rb * (shape.norm_params + shape.bias_params))
     per_handle = CUBLAS_WORKSPACE_MIB["hopper" if tuple(inp.gpu_capability) >= (9, 0) else "older"]
     c["cublas"] = 2 * per_handle * 2**20
     sizes = lora_tensors(shape, inp)
@@ -327,13 +288,25 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     c["optimizer"] = 0.0 if paged else state
 
     per_layer = layer_activation_bytes_per_token(shape, inp, padded)
+    sliding = sliding_layers_masked(shape, inp)
+    per_sliding = layer_activation_bytes_per_token(shape, inp, padded, sliding=True) if sliding else per_layer
     masked = padded and not inp.nomask
-    shared = 2 * T * shape.head_dim * 4 + (inp.batch * inp.seq * inp.seq if masked else 0)  # cos/sin, mask
-    kept_per_layer = rb * h if inp.gradient_checkpointing else per_layer
-    kept = L * kept_per_layer * T + shared + rb * h * T  # + the final norm's input
+    # cos/sin (fp32, per rotated head dim; Gemma 3 keeps one table for its sliding layers and one for the others),
+    # the padding mask and the sliding-window mask (bool, shared by every layer)
+    tables = 2 if shape.family == "gemma3_text" and 0 < shape.sliding_layers < L else 1
+    shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
+        + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
+    if inp.gradient_checkpointing:
+        kept = L * rb * h * T
+    else:
+        kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
+    kept += shared + rb * h * T  # + the final norm's input
+    per_layer = max(per_layer, per_sliding)  # the layer being recomputed: the larger kind, to be safe
     head_saved = rb * h * N
     tile_tokens = min(N, LOGPROB_TOKEN_TILE)
     head_tiles = tile_tokens * min(LOGPROB_VOCAB_TILE, shape.vocab) * compute
+    if shape.final_softcap:  # TRL's fused head applies softcap * tanh(logits / softcap): one more tile
+        head_tiles *= 2
     if not inp.lean:  # the fp32 head's slice and the fp32 hidden states are cast to the compute dtype per tile
         head_tiles += min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
     # The phases where the peak can fall; the largest wins.
@@ -368,6 +341,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
         result.notes.append(f"seq {inp.seq} is above the model's {shape.max_positions} positions")
     if inp.compute_dtype == "float32":
         result.notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
+    result.notes += unmodelled_notes(shape)
     return result
 
 
@@ -448,29 +422,27 @@ def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: fl
 
 
 def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
-                    gpu_capability: tuple[int, int] | None = None) -> Plan:
+                    gpu_capability: tuple[int, int] | None = None, labelled_fraction: float = 1.0) -> Plan:
     """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names."""
-    from .dtypes import compute_dtype_for, cuda_capability
+    from .dtypes import cuda_capability, gpu_compute_dtype
 
     if shape is None:
         from .models import resolve_model
 
         shape = load_shape(resolve_model(cfg, verbose=False).path)
     capability = gpu_capability or cuda_capability() or (7, 5)
-    targets = ALL_LINEAR if list(cfg.target_modules) == ["all-linear"] else tuple(cfg.target_modules)
     # "auto" means what the planned GPU would pick, not this machine (a CPU may pick fp32)
-    dtype = compute_dtype_for(capability) if cfg.compute_dtype == "auto" else cfg.compute_dtype
-    if capability < (8, 0) and dtype == "bfloat16":
-        dtype = "float16"
+    dtype = gpu_compute_dtype(cfg.compute_dtype, capability)
     from .fastpath import gpu_options, kernels_installed
 
     fast = gpu_options()  # the GPU path's levers, as NB_FASTPATH leaves them
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
-                    targets=targets, gradient_checkpointing=cfg.gradient_checkpointing, optim=cfg.optim,
-                    compute_dtype=dtype, double_quant=cfg.double_quant, lora_dropout=cfg.lora_dropout,
+                    targets=tuple(cfg.target_modules), gradient_checkpointing=cfg.gradient_checkpointing,
+                    optim=cfg.optim, compute_dtype=dtype, double_quant=cfg.double_quant,
+                    lora_dropout=cfg.lora_dropout, labelled_fraction=labelled_fraction,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
                     gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
-                    fused_kernels=fast.kernels and kernels_installed(),
+                    fused_kernels=fast.kernels and kernels_installed(), adapters_fp32=fast.adapters_fp32,
                     expandable=fast.expandable and platform.system() == "Linux")
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
@@ -492,3 +464,25 @@ def default_context_gib(device: int = 0) -> float:
         return _CONTEXT_CACHE[device]
     except Exception:  # noqa: BLE001 - a planner must answer even where NVML is missing
         return CONSUMER_CONTEXT_GIB
+
+
+# --- model shapes a widget can offer -----------------------------------------------------------------------------
+def shapes_dir():
+    from .config import PROJECT_ROOT
+
+    return PROJECT_ROOT / "bench" / "shapes"
+
+
+def known_shapes() -> dict[str, str]:
+    """name -> one line about it, for every public model whose config.json ships in bench/shapes/ (Qwen3, Gemma 3,
+    Llama-3.2, Phi-4-mini, ...): the choices of a model-family widget. No download, no weights."""
+    return {path.stem: load_shape(str(path)).describe() for path in sorted(shapes_dir().glob("*.json"))}
+
+
+def plan_for_family(cfg, name: str, context_gib: float | None = None,
+                    gpu_capability: tuple[int, int] | None = None) -> Plan:
+    """plan_for_config for one of known_shapes() (e.g. "qwen3-1.7b"), with the config's other knobs as they are."""
+    path = shapes_dir() / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"no shape {name!r}; known: {', '.join(known_shapes())}")
+    return plan_for_config(cfg, load_shape(str(path)), context_gib=context_gib, gpu_capability=gpu_capability)

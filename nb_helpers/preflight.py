@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .config import ConfigError, RunConfig
-from .dtypes import cuda_capability
+from .architecture import Shape
+from .dtypes import cuda_capability, gpu_compute_dtype
 from .lora import check_targets
-from .models import ModelChoice, sixteen_bit_bytes_from_config
+from .models import ModelChoice
 
 
 def model_config(cfg: RunConfig, choice: ModelChoice):
@@ -14,12 +15,10 @@ def model_config(cfg: RunConfig, choice: ModelChoice):
     return AutoConfig.from_pretrained(choice.path, trust_remote_code=cfg.trust_remote_code)
 
 
-def four_bit_weight_bytes(config) -> int:
-    """NF4 weights as loaded: half a byte per linear weight plus ~1/64 byte of double-quant constants, the rest
-    (embeddings, head, norms) in 16-bit. Within a few percent of models.memory_breakdown on loaded models."""
-    sizes = sixteen_bit_bytes_from_config(config)
-    linear = sizes["linear_params"]
-    return linear // 2 + linear // 64 + 2 * (sizes["embedding_params"] + sizes["norm_params"])
+def four_bit_weight_bytes(config, double_quant: bool = True) -> float:
+    """NF4 weights as loaded on a GPU: the planner's weight terms (architecture.Shape.four_bit_bytes), the rest
+    (embeddings, head, norms, biases) in 16-bit. Within a few percent of models.memory_breakdown on loaded models."""
+    return Shape.from_config(config).four_bit_bytes(double_quant)
 
 
 def preflight(cfg: RunConfig, choice: ModelChoice, verbose: bool = True) -> RunConfig:
@@ -29,13 +28,18 @@ def preflight(cfg: RunConfig, choice: ModelChoice, verbose: bool = True) -> RunC
     if limit and cfg.max_length > limit:
         raise ConfigError(f"max_length={cfg.max_length} is above {choice.name}'s limit of {limit} positions; "
                           f"set max_length <= {limit}")
-    check_targets(skeleton(config), cfg.target_modules)
+    targets = check_targets(skeleton(config), cfg.target_modules)
+    if targets != list(cfg.target_modules):
+        if verbose:
+            print(f"[lora] {choice.name} names its layers differently: target_modules "
+                  f"{','.join(cfg.target_modules)} -> {','.join(targets)} (its fused layers hold the same weights)")
+        cfg = cfg.replace(target_modules=targets)
     capability = cuda_capability()
-    if cfg.compute_dtype == "bfloat16" and capability is not None and capability < (8, 0):
+    if cfg.compute_dtype == "bfloat16" and gpu_compute_dtype("bfloat16", capability) != "bfloat16":
         if verbose:
             print(f"[config] compute_dtype='bfloat16' asked for, but this GPU (compute capability "
                   f"{capability[0]}.{capability[1]}) has no native bf16: using float16 instead, with "
-                  f"max_grad_norm={cfg.max_grad_norm} keeping it stable")
+                  f"loss scaling keeping it stable")
         cfg = cfg.replace(compute_dtype="float16")
     return cfg
 

@@ -438,7 +438,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         model = lean_prepare(model)
     if fast.kernels:
         apply_fused_kernels(model)
-    model = get_peft_model(model, lora_config(cfg))
+    model = get_peft_model(model, lora_config(cfg, model))  # targets under the model's names (Phi: qkv_proj)
     if fast.nomask:
         install_mask_drop(model)
     if fast.fused_lora:
