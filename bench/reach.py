@@ -3,7 +3,8 @@ that make them fit. One fresh process per point (bench/throughput.py's worker, t
 models of the real shapes built on the device, effective batch 8 sequences, r=8 on q,k,v,o.
 
     python bench/reach.py                          # every point, writes bench/results/reach.json
-    python bench/reach.py --only qwen3-4b-2048-offload --out /tmp/r.json
+    python bench/reach.py --only qwen3-4b-2048-1x8-offload --out /tmp/r.json
+    python bench/reach.py --predict-from bench/results/raw/reach-call1.json   # the planner beside measured points
 """
 
 from __future__ import annotations
@@ -24,14 +25,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from throughput import summarize, versions  # noqa: E402
 
-# Real configs of the public models (config.json on the Hub), as (model_type, shape).
-QWEN3 = dict(rms_norm_eps=1e-6, rope_theta=1_000_000.0, vocab_size=151936, head_dim=128, tie_word_embeddings=True)
-SHAPES = {
-    "qwen3-1.7b": ("qwen3", dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8)),
-    "qwen3-4b": ("qwen3", dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                               num_attention_heads=32, num_key_value_heads=8)),
-}
 # name: shape, sequence length, micro-batch, accumulation, fast-path levers (None: the default path)
 POINTS = [
     ("tinyllama-1.1b", 16384, 1, 8, "offload=1"),
@@ -47,28 +40,32 @@ def point_name(shape, seq, batch, accum, fast) -> str:
 
 
 def build_shape(name: str, out: Path, max_positions: int) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if (out / "config.json").exists():
-        return out
-    if name not in SHAPES:  # the Llama shapes
+    """A random-weight model of bench/shapes/<name>.json, built once (bench/build_tinyllama_shape.py)."""
+    if not (out / "config.json").exists():
         from build_tinyllama_shape import build
 
         build(name, str(out), ROOT / "data", max_positions=max_positions)
-        return out
-    from build_tinyllama_shape import build_tokenizer
-
-    model_type, shape = SHAPES[name]
-    config = AutoConfig.for_model(model_type, **shape, max_position_embeddings=max_positions)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    build_tokenizer(ROOT / "data").save_pretrained(out)
-    del model
-    torch.cuda.empty_cache()
     return out
+
+
+def predict(row: dict, context_gib: float) -> float:
+    """The planner's peak for a measured point (H200: compute capability 9.0, bf16, batch-1 rows carry no padding)."""
+    from nb_helpers.planner import PlanInput, load_shape, plan
+
+    shape = load_shape(str(ROOT / "bench" / "shapes" / f"{row['shape']}.json"))
+    inp = PlanInput(seq=row["seq"], batch=row["batch"], accum=row["accum"], rank=row["rank"],
+                    targets=tuple(row["targets"]), context_gib=context_gib, gpu_capability=(9, 0),
+                    offload="offload" in row["options"], padded=row["batch"] > 1, fused_kernels=shape.family == "llama")
+    return plan(shape, inp).peak_gib
+
+
+def with_predictions(raw: dict, context_gib: float) -> dict:
+    for row in raw["points"]:
+        row["predicted_gib"] = round(predict(row, context_gib), 3)
+        if row.get("peak_device_gib"):
+            row["error_pct"] = round(100 * (row["predicted_gib"] - row["peak_device_gib"]) / row["peak_device_gib"], 1)
+    raw["predicted_with"] = f"nb_helpers.planner, CUDA context {context_gib:.3f} GiB (measured in the same call)"
+    return raw
 
 
 def main() -> None:
@@ -78,7 +75,16 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=4.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reach.json"))
     parser.add_argument("--deadline-s", type=float, default=1e9)
+    parser.add_argument("--predict-from", default=None, help="a raw result file: add the planner's predictions only")
+    parser.add_argument("--context-gib", type=float, default=0.601, help="CUDA context for --predict-from")
     args = parser.parse_args()
+    if args.predict_from:
+        raw = with_predictions(json.loads(Path(args.predict_from).read_text()), args.context_gib)
+        Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
+        for row in raw["points"]:
+            print(f"{row['name']:<40} measured {row.get('peak_device_gib') or float('nan'):.2f} GiB "
+                  f"predicted {row['predicted_gib']:.2f} GiB {row.get('error_pct', '')}")
+        return
     from planner_grid import write_rows
     from transformers import AutoTokenizer
 

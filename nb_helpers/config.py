@@ -59,6 +59,8 @@ class RunConfig:
     max_grad_norm: float = 0.3  # the QLoRA paper's clip, for any dtype (fp16's stability comes from loss scaling)
     optim: str = "paged_adamw_8bit"  # 8-bit states; "paged" spills to host RAM instead of OOM
     gradient_checkpointing: bool = True  # recompute activations: less memory, ~30% more compute
+    offload_checkpoints: bool = False  # GPU + GC: keep each layer's checkpoint in CPU RAM (layers x tokens x hidden
+    #                                    x 2 bytes off the card); for long rows or bigger micro-batches. auto_fit decides
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
     max_length: int = 512  # tokens per sequence; longer costs activation memory
@@ -167,7 +169,8 @@ class RunConfig:
         steps = f"max_steps={self.max_steps}" if self.max_steps > 0 else f"epochs={self.num_train_epochs:g}"
         return (f"r={self.lora_r} alpha={self.lora_alpha} targets={','.join(self.target_modules)} | "
                 f"batch {self.micro_batch_size} x accum {self.grad_accum} | lr {self.learning_rate:g} | "
-                f"max_length {self.max_length} | {steps} | GC {'on' if self.gradient_checkpointing else 'off'}")
+                f"max_length {self.max_length} | {steps} | GC {'on' if self.gradient_checkpointing else 'off'}"
+                + (" (checkpoints in CPU RAM)" if self.offload_checkpoints and self.gradient_checkpointing else ""))
 
 
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).

@@ -214,16 +214,32 @@ def offloaded_checkpoint(function, *args, **kwargs):
         return checkpoint(function, *args, **kwargs)
 
 
-def install_offload(model) -> bool:
-    """Make gradient checkpointing offload its saved inputs, whenever the Trainer turns checkpointing on (it does so
-    in train(), after this). CUDA only; says once why not elsewhere."""
+def set_checkpoint_offload(model, offload: bool) -> None:
+    """Point every checkpointed layer at the offloaded (or the plain) checkpoint function; the kwargs stay
+    transformers' (use_reentrant=False)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint if offload else checkpoint,
+                                                                    use_reentrant=False)
+
+
+def install_offload(model, offload: bool) -> bool:
+    """Whenever checkpointing is turned on (the Trainer does it in train(), after this), offload its saved inputs
+    if `model._nb_offload` says so; auto-fit may change that flag after this. CUDA only; says once why not elsewhere.
+    Returns whether the switch is installed."""
     import functools
 
     import torch
 
     if not torch.cuda.is_available():
-        say_once("offload", "[fast] checkpoint offload off: no CUDA GPU (the activations already live in RAM)")
+        if offload:
+            say_once("offload", "[fast] checkpoint offload off: no CUDA GPU (the activations already live in RAM)")
         return False
+    model._nb_offload = offload
     enable = model.gradient_checkpointing_enable
     if getattr(getattr(model, "_nb_fast", None), "offload_sync", False) or FastOptions.from_env().offload_sync:
         model.gradient_checkpointing_enable = functools.partial(enable, offload=True)  # transformers' save_on_cpu
@@ -233,13 +249,11 @@ def install_offload(model) -> bool:
     def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
         kwargs.pop("offload", None)
         enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-        func = functools.partial(offloaded_checkpoint, **(gradient_checkpointing_kwargs or {"use_reentrant": False}))
-        for module in model.modules():
-            if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-                module._gradient_checkpointing_func = func
+        if model._nb_offload:
+            set_checkpoint_offload(model, True)
+            say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
 
     model.gradient_checkpointing_enable = enable_with_offload
-    say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
     return True
 
 

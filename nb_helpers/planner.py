@@ -126,6 +126,7 @@ class PlanInput:
     nomask: bool = True  # right-padded batches run without a mask: flash SDPA, native GQA, no bias tensor
     expandable: bool = True  # expandable allocator segments (Linux): a flat allocator overhead instead of a share
     adapters_fp32: bool = False  # fastpath's adapters_fp32: fp32 LoRA weights in bf16 runs (lora.adapter_param_bytes)
+    offload: bool = False  # with GC: each layer's checkpoint lives in pinned CPU RAM (nb_helpers.fastpath)
 
     @property
     def tokens(self) -> int:
@@ -297,7 +298,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
         + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
     if inp.gradient_checkpointing:
-        kept = L * rb * h * T
+        kept = 0 if inp.offload else L * rb * h * T  # offloaded: one layer's input comes back at a time (transient)
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
     kept += shared + rb * h * T  # + the final norm's input
@@ -342,6 +343,8 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     if inp.compute_dtype == "float32":
         result.notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
     result.notes += unmodelled_notes(shape)
+    if inp.offload and inp.gradient_checkpointing:
+        result.notes.append(f"checkpoints offloaded: {L * rb * h * T / GIB:.2f} GiB of pinned CPU RAM")
     return result
 
 
@@ -351,6 +354,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
 # an H200 about 5% busy), so fewer, larger micro-batches win first; checkpointing is dropped when it still fits.
 OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuristic; the trial run confirms fit)
 GC_COMPUTE_FACTOR = 4 / 3
+OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card
 FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
 
 
@@ -361,40 +365,44 @@ class Candidate:
     gradient_checkpointing: bool
     predicted_gib: float
     relative_step_cost: float
+    offload: bool = False
 
     def describe(self) -> str:
-        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'} (predicted {self.predicted_gib:.2f} GiB)")
+        gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
+        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc} "
+                f"(predicted {self.predicted_gib:.2f} GiB)")
 
 
 def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
-               margin: float = FIT_MARGIN) -> list[Candidate]:
-    """Every micro-batch x accumulation with the same effective batch, GC on and off, predicted to fit the
-    budget (less the margin), best expected throughput first."""
+               margin: float = FIT_MARGIN, offload_allowed: bool = True) -> list[Candidate]:
+    """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
+    RAM (where `offload_allowed`), predicted to fit the budget (less the margin), best expected throughput first."""
     out = []
+    modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
     for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
-        for gc in (False, True):
+        for gc, offload in modes:
             inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
-                               "gradient_checkpointing": gc})
+                               "gradient_checkpointing": gc, "offload": offload})
             predicted = plan(shape, inp).peak_gib
             if predicted > budget_gib * (1 - margin):
                 continue
-            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * (GC_COMPUTE_FACTOR if gc else 1.0))
-            out.append(Candidate(batch, inp.accum, gc, predicted, cost))
+            factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
+            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
+            out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload))
     return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
-             margin: float = FIT_MARGIN) -> Candidate:
+             margin: float = FIT_MARGIN, offload_allowed: bool = True) -> Candidate:
     """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch.
 
     `trial(candidate)` runs one forward and backward at full length and returns the peak GiB it measured, or
     raises torch.OutOfMemoryError (any exception named *OutOfMemoryError); then the next candidate is tried and
     the step down is reported. Without a trial the prediction alone decides."""
-    options = candidates(shape, base, effective_batch, budget_gib, margin)
+    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed)
     if not options:
         smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
-                                            "gradient_checkpointing": True}))
+                                            "gradient_checkpointing": True, "offload": offload_allowed}))
         raise MemoryError(f"nothing fits {budget_gib:.2f} GiB: even micro-batch 1 with gradient checkpointing is "
                           f"predicted at {smallest.peak_gib:.2f} GiB ({smallest.peak_phase}). Lower max_length "
                           f"(now {base.seq}), the LoRA rank or targets, or pick a smaller model")
@@ -443,7 +451,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     context_gib=default_context_gib() if context_gib is None else context_gib,
                     gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
                     fused_kernels=fast.kernels and kernels_installed(), adapters_fp32=fast.adapters_fp32,
-                    expandable=fast.expandable and platform.system() == "Linux")
+                    expandable=fast.expandable and platform.system() == "Linux",
+                    offload=bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 

@@ -445,8 +445,8 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         apply_fused_lora(model)
     if fast.compile:
         compile_layers(model)
-    if (fast.offload or fast.offload_sync) and cfg.gradient_checkpointing:
-        install_offload(model)
+    install_offload(model, bool(cfg.offload_checkpoints or fast.offload or fast.offload_sync)
+                    and cfg.gradient_checkpointing)
     model._nb_fast = fast
     return model
 
@@ -467,7 +467,7 @@ def progress_printer(total_steps: int, every: int):
     return show
 
 
-def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int) -> None:
+def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False) -> None:
     """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
     padded last row as real batches have; the gradients are dropped afterwards."""
     import torch
@@ -475,6 +475,9 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
 
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from .fastpath import set_checkpoint_offload
+
+        set_checkpoint_offload(model, offload)
     else:
         model.gradient_checkpointing_disable()
     model.train()
@@ -515,7 +518,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
 
     def trial(option) -> float | None:
         try:
-            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top)
+            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload)
             torch.cuda.synchronize()
             return memory_snapshot()["device_used_gib"]
         finally:
@@ -523,9 +526,10 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
             torch.cuda.empty_cache()
 
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
-                      log=print if verbose else (lambda *_: None))
+                      log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"))
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
+    model._nb_offload = choice.offload
     torch.cuda.reset_peak_memory_stats()
     return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
-                       gradient_checkpointing=choice.gradient_checkpointing)
+                       gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload)

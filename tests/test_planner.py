@@ -369,3 +369,26 @@ def test_validated_llama_predictions_are_unchanged():
             assert abs(now - r["measured_gib"]) <= abs(r["predicted_gib"] - r["measured_gib"]) + 1e-3, r["id"]
         else:
             assert now == pytest.approx(r["predicted_gib"], abs=0.0015), r["id"]  # stored rounded to 3 decimals
+
+
+def test_offloaded_checkpoints_leave_the_card_and_buy_a_bigger_micro_batch():
+    """With GC, offload removes exactly layers x tokens x hidden x 2 bytes from what the card keeps; at 8 x 2048 on
+    TinyLlama in 4 GiB that is what lets auto-fit pick 8 x 1 (measured 3.18 GiB on the H200, bench/NOTES.md)
+    instead of 4 x 2; at 8 x 512, where 8 x 1 fits anyway, it keeps the checkpoints on the card (no copies)."""
+    from nb_helpers.config import PROJECT_ROOT
+    from nb_helpers.planner import load_shape
+
+    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    base = dict(batch=8, accum=1, rank=8, context_gib=0.6, gpu_capability=(9, 0), seq=2048)
+    on_card = plan(shape, PlanInput(**base))
+    offloaded = plan(shape, PlanInput(**base, offload=True))
+    kept = on_card.components["activations_kept"] - offloaded.components["activations_kept"]
+    assert kept == shape.layers * 2 * shape.hidden * 8 * 2048
+    assert any("pinned CPU RAM" in note for note in offloaded.notes)
+    fit = dict(batch=1, accum=8, rank=8, context_gib=0.6, gpu_capability=(9, 0))
+    long = auto_fit(shape, PlanInput(seq=2048, **fit), 8, 4.0, log=lambda *_: None)
+    assert (long.batch, long.gradient_checkpointing, long.offload) == (8, True, True)
+    no_offload = auto_fit(shape, PlanInput(seq=2048, **fit), 8, 4.0, log=lambda *_: None, offload_allowed=False)
+    assert (no_offload.batch, no_offload.offload) == (4, False)
+    short = auto_fit(shape, PlanInput(seq=512, **fit), 8, 4.0, log=lambda *_: None)
+    assert (short.batch, short.offload) == (8, False)
