@@ -60,12 +60,11 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # fifth device call: fused QLoRA layers (one autograd function per 4-bit linear)
-        run("w512", "fused-8x1", 8, 1, fast="fused_lora=1"),
-        run("w2048", "offload-fused-8x1", 8, 1, fast="offload=1,fused_lora=1"),
-        run("shipped", "fused-8x1", 8, 1, fast="fused_lora=1"),
+        # fifth device call: fused QLoRA layers are the default now; these runs take them out again
+        run("w512", "unfused-8x1", 8, 1, fast="fused_lora=0"),
+        run("w2048", "unfused-offload-8x1", 8, 1, fast="fused_lora=0,offload=1"),
         run("w2048", "offload-4x2", 4, 2, fast="offload=1"),
-        run("w512", "fused-compile-nokernels-8x1", 8, 1, fast="fused_lora=1,compile=1,kernels=0"),
+        run("w512", "compile-nokernels-fused-8x1", 8, 1, fast="compile=1,kernels=0"),
         # fourth device call: checkpoints offloaded to CPU RAM, so that W2048 fits 8 x 1 (half the launches per token)
         run("w2048", "offload-8x1", 8, 1, fast="offload=1"),
         run("w2048", "offload-sync-8x1", 8, 1, fast="offload_sync=1"),

@@ -1,6 +1,6 @@
 """The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
 
-Three changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+Five changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
 call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
 
   * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
@@ -15,6 +15,15 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
     tokens never attend to later positions, so the mask changes nothing for them (pad positions carry no label).
     Without a mask, SDPA runs its flash kernel with native grouped-query attention instead of the
     memory-efficient kernel over keys and values repeated to every head plus a (batch, 1, seq, seq) bias.
+
+  * fused QLoRA layers (nb_helpers.fused_lora): each 4-bit linear layer, with its LoRA branch, as one autograd
+    function: the step is bound by the host on a fast GPU, and peft's and bitsandbytes' wrappers cost 0.7 ms of
+    Python per call.
+  * activation checkpoints in CPU RAM (RunConfig.offload_checkpoints, chosen by auto-fit): each layer's checkpoint
+    goes to pinned host memory with an asynchronous copy, so long rows and bigger micro-batches fit.
+
+Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
+adapters in bf16 runs, transformers' own synchronous offload.
 
 `NB_FASTPATH` switches levers for benchmarks without touching the config: "lean=0,kernels=0,nomask=0".
 """
@@ -42,7 +51,7 @@ class FastOptions:
     adapters_fp32: bool = False  # bf16 adapters (TRL's QLoRA choice) in bf16 runs; fp16 runs always keep fp32
     selective_gc: bool = False  # TRL's selective checkpointing (keeps attention outputs): measured, not kept
     expandable: bool = True  # PyTorch's expandable allocator segments: less cached-but-free memory (Linux CUDA)
-    fused_lora: bool = False  # each 4-bit linear (with its LoRA) as one autograd function (nb_helpers.fused_lora); CUDA
+    fused_lora: bool = True  # each 4-bit linear (with its LoRA) as one autograd function (nb_helpers.fused_lora); CUDA
     compile: bool = False  # torch.compile each decoder layer (Inductor): measured slower or equal, so off
     offload: bool = False  # activation checkpoints in pinned CPU RAM, copied asynchronously (CUDA); frees
     #                        layers x tokens x hidden x 2 bytes of device memory for longer rows or bigger batches
@@ -55,7 +64,7 @@ class FastOptions:
         import torch
 
         gpu = torch.cuda.is_available()
-        values = {"lean": gpu, "nomask": gpu, "expandable": gpu}
+        values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:

@@ -24,7 +24,7 @@ def test_levers_from_the_environment(monkeypatch):
 def test_cpu_defaults_keep_the_cpu_path(monkeypatch):
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
     opts = FastOptions.from_env()
-    assert not opts.lean and not opts.nomask  # no GPU here: the CPU path is unchanged
+    assert not opts.lean and not opts.nomask and not opts.fused_lora  # no GPU here: the CPU path is unchanged
     assert fastpath.gpu_options().lean and fastpath.gpu_options().nomask  # what the planner plans for a GPU
 
 
