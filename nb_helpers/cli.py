@@ -48,16 +48,20 @@ def cmd_config(args) -> int:
 
 
 def cmd_train(args) -> int:
+    """One process, or one of several under `accelerate launch` (then rank 0 alone prints and writes)."""
+    from . import distributed
     from .training import train
 
-    if args.resume:
-        if args.config or args.set:
-            raise ConfigError("--resume continues a run with its own config.json; leave out --config and --set")
-        run_dir = train(RunConfig(), resume_from=args.resume)
-    else:
-        cfg = RunConfig.load(args.config) if args.config else default_config()
-        run_dir = train(_apply_sets(cfg, args.set))
+    if args.resume and (args.config or args.set):
+        raise ConfigError("--resume continues a run with its own config.json; leave out --config and --set")
+    with distributed.quiet_unless_main():
+        if args.resume:
+            run_dir = train(RunConfig(), resume_from=args.resume)
+        else:
+            cfg = RunConfig.load(args.config) if args.config else default_config()
+            run_dir = train(_apply_sets(cfg, args.set))
     summary = json.loads((run_dir / "summary.json").read_text())
+    distributed.finish()
     return 0 if summary.get("status") == "completed" else 1
 
 
@@ -249,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("train", help="headless training, the same as notebook 03 (accelerate launch uses this)")
+    p = sub.add_parser("train", help="headless training, the same as notebook 03; on several GPUs: "
+                                     "accelerate launch --multi_gpu --num_processes N -m nb_helpers train ...")
     p.add_argument("--config", help="JSON config file (see `config`); default: this machine's default config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob, e.g. lora_r=16")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")

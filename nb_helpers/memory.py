@@ -22,12 +22,22 @@ from dataclasses import dataclass
 _NVML_BASELINE: float | None = None  # device "used" bytes without this process; set once by record_nvml_baseline
 
 
+def _nvml_handle(pynvml, index: int):
+    """NVML numbers every GPU of the machine; CUDA only the visible ones (CUDA_VISIBLE_DEVICES=2,3 makes GPU 2
+    CUDA device 0). With several processes, each on its own GPU, the wrong one would be measured."""
+    visible = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+    entry = visible[index] if index < len(visible) else str(index)
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    return pynvml.nvmlDeviceGetHandleByUUID(entry)  # GPU-<uuid> entries
+
+
 def _nvml_used_bytes(index: int) -> float | None:
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return float(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+        return float(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, index)).used)
     except Exception:
         return None
 

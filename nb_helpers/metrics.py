@@ -22,11 +22,14 @@ def _sync() -> None:
 
 
 class MetricsCallback(TrainerCallback):
-    """Writes metrics.jsonl: step, epoch, loss, lr, grad_norm, tokens, step_s, tokens_per_s, memory."""
+    """Writes metrics.jsonl: step, epoch, loss, lr, grad_norm, tokens, step_s, tokens_per_s, memory, plus `fields`
+    (world_size, global_batch) on every training line. With several processes every one keeps its records (for the
+    NaN stop, which all must agree on, and its own peak memory), and only the one with `write=True` writes the file."""
 
-    def __init__(self, path: str | Path, listeners=()):
+    def __init__(self, path: str | Path, listeners=(), write: bool = True, fields: dict | None = None):
         self.path = Path(path)
         self.listeners = list(listeners)  # called with each record (live plots)
+        self.write, self.fields = write, dict(fields or {})
         self._step_start = None
         self._pending: dict = {}
         self._tokens_before = 0
@@ -34,18 +37,20 @@ class MetricsCallback(TrainerCallback):
         self.non_finite_step: int | None = None
 
     def _write(self, record: dict) -> None:
-        if getattr(self, "_file", None) is None:
+        if self.write and getattr(self, "_file", None) is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # flushed per line: an interrupted run keeps every finished step
+        if self.write:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # flushed per line: an interrupted run keeps every finished step
         self.records.append(record)
         for listener in self.listeners:
             listener(record)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.touch()  # the run folder always has its metrics file, even when step 1 never finishes
+        if self.write:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.touch()  # the run folder always has its metrics file, even when step 1 never finishes
         self._tokens_before = state.num_input_tokens_seen or 0
         _sync()
         self._step_start = time.perf_counter()
@@ -78,7 +83,7 @@ class MetricsCallback(TrainerCallback):
             return
         record = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "loss": logs["loss"],
                   "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
-                  **{k: v for k, v in self._pending.items() if k not in ("step", "epoch")}}
+                  **{k: v for k, v in self._pending.items() if k not in ("step", "epoch")}, **self.fields}
         self._write(record)
         if not all(math.isfinite(v) for v in (record["loss"], record["grad_norm"] or 0.0)):
             self.non_finite_step = state.global_step

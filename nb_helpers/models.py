@@ -131,10 +131,13 @@ def bnb_config(cfg: RunConfig):
 
 
 def device_map_for_this_process():
-    """One process, one device: "auto" alone; under `accelerate launch` each rank keeps a full copy on its GPU."""
+    """One process, one device: "auto" alone; under `accelerate launch` each rank keeps a full copy on its GPU
+    (DDP), or in its own host memory when the processes run on the CPU (gloo)."""
+    import torch
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+        return {"": int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.is_available() else "cpu"}
     return "auto"
 
 

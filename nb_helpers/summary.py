@@ -41,6 +41,10 @@ DETAIL_KEYS = {
     "predicted_phase": "where the planner predicts that peak",
     "predicted_components_gib": "the planner's breakdown of the peak",
     "adapter_step": "after a NaN or inf: the step whose adapter was kept (None: none was finite)",
+    "world_size": "processes that trained (one per GPU under accelerate launch; 1 without a launcher)",
+    "global_batch": "sequences per optimizer step over all processes: micro-batch x accumulation x world_size",
+    "per_process_batch": "[micro-batch, accumulation] each process ran (config.json keeps the one-process equivalent)",
+    "peak_vram_gib_per_process": "with several processes: each one's peak device memory by NVML, in rank order",
 }
 BEFORE_TRAINING_KEYS = ("task_metric", "task_base", "eval_loss_before")  # a resumed run keeps its first measures
 

@@ -11,17 +11,20 @@ train(cfg) composes the same steps for `python -m nb_helpers train`, the tests a
     finish_run(run, trainer)               # NaN restore, adapter/, second eval, summary.json, training.png
 
 The run folder ends with config.json, metrics.jsonl, adapter/, predictions.jsonl, training.png and summary.json.
+
+Under `accelerate launch` (several processes, nb_helpers.distributed) every process runs every step on its own GPU;
+rank 0 alone names the run folder and writes into it, and alone scores the task (generation); the others wait.
 """
 
 from __future__ import annotations
 
 import gc
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig
+from . import distributed
+from .config import ConfigError, RunConfig
 from .data import load_train_eval, longest_row_tokens, to_dataset
 from .dtypes import resolve_compute_dtype
 from .lora import check_targets, lora_config, parameter_counts
@@ -56,6 +59,11 @@ class TrainingRun:
     last_good: LastGoodAdapter | None = None
     base_answers: dict | None = None
     oom_step: int | None = None
+    world_size: int = 1  # processes training together (accelerate launch); cfg's batch is each one's share
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.effective_batch * self.world_size
 
     @property
     def text_rows(self) -> bool:
@@ -88,27 +96,67 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
             raise RuntimeError(f"{resume_dir} has no checkpoint to resume from (checkpoints/ is empty); "
                                "start a new run instead")
     cfg.validate()
+    world = distributed.world_size()
+    if checkpoint is not None and verbose:
+        print(resume_note(checkpoint, world))
+    cfg = split_over_processes(cfg, world, verbose)  # before anything is sized: auto-fit and the plan are per GPU
     summary: dict = {"budget_gib": cfg.budget_gib}
     if torch.cuda.is_available():
-        record_nvml_baseline(int(os.environ.get("LOCAL_RANK", "0")))  # before this process creates a context
+        record_nvml_baseline(distributed.local_rank())  # before this process creates a context
         from .fastpath import FastOptions, use_expandable_segments
 
         if FastOptions.from_env().expandable:
             summary["expandable_segments"] = use_expandable_segments()
-    choice = resolve_model(cfg, verbose=verbose)
+    distributed.init()  # several processes: the process group, and this process's GPU made current
+    with distributed.main_first():  # rank 0 fetches or converts the model into the cache alone
+        choice = resolve_model(cfg, verbose=verbose)
     tokenizer = load_tokenizer(choice.path, cfg.trust_remote_code)
     cfg = preflight(cfg, choice, verbose)
     train_rows, eval_rows = load_train_eval(cfg, tokenizer)
     summary.update(compute_dtype=resolve_compute_dtype(cfg.compute_dtype), versions=package_versions())
     run = TrainingRun(cfg, choice, tokenizer, train_rows, eval_rows, summary, resume_dir,
-                      str(checkpoint) if checkpoint else None)
+                      str(checkpoint) if checkpoint else None, world_size=world)
     apply_budget(run)
     predict_memory(run, verbose)
     return run
 
 
+def split_over_processes(cfg: RunConfig, world: int, verbose: bool = True) -> RunConfig:
+    """Each process's share of the global batch (nb_helpers.distributed.per_process_batch); one process: cfg."""
+    if world <= 1:
+        return cfg
+    try:
+        micro, accum = distributed.per_process_batch(cfg.micro_batch_size, cfg.grad_accum, world)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if verbose:
+        print(distributed.describe_split(cfg.micro_batch_size, cfg.grad_accum, world))
+    return cfg.replace(micro_batch_size=micro, grad_accum=accum)
+
+
+def checkpoint_world_size(checkpoint: str | Path) -> int:
+    """How many processes wrote a checkpoint: the Trainer saves one RNG state per process (rng_state_<rank>.pth),
+    or rng_state.pth alone for one process."""
+    ranks = list(Path(checkpoint).glob("rng_state_*.pth"))
+    return len(ranks) or 1
+
+
+def resume_note(checkpoint: str | Path, world: int) -> str:
+    """What resuming on `world` processes keeps, and what it cannot keep when the checkpoint had another count."""
+    before = checkpoint_world_size(checkpoint)
+    if before == world:
+        return (f"[run] resuming on {world} process{'es' if world > 1 else ''}, as the checkpoint was trained: the "
+                "same global batch, data order and RNG state as an uninterrupted run")
+    return (f"[run] the checkpoint was trained on {before} process{'es' if before > 1 else ''} and resumes on {world}: "
+            "the global batch stays as config.json gives it (each process's accumulation is adjusted), and the "
+            "optimizer and scheduler continue, but the rows are dealt to processes differently, so the data "
+            "order from here can differ from an uninterrupted run, and processes with no RNG state of their own in "
+            "the checkpoint start their dropout from the seed: the loss curve will not match one run step for step")
+
+
 def apply_budget(run: TrainingRun) -> None:
-    """Cap this process at cfg.budget_gib, CUDA context included, and check the 4-bit weights fit under it."""
+    """Cap this process at cfg.budget_gib on its own GPU, CUDA context included, and check the 4-bit weights fit
+    under it. With several processes the budget is per GPU."""
     import torch
 
     from .preflight import check_budget_fits
@@ -116,7 +164,7 @@ def apply_budget(run: TrainingRun) -> None:
     if torch.cuda.is_available() and run.cfg.budget_gib:
         from .memory import enforce_budget
 
-        budget = enforce_budget(run.cfg.budget_gib)
+        budget = enforce_budget(run.cfg.budget_gib, device=distributed.local_rank())
         run.summary["cuda_context_gib"] = budget.context_gib
         print(f"[budget] {budget.describe()}")
         check_budget_fits(run.cfg, run.choice, budget.allocator_cap_gib)
@@ -166,6 +214,8 @@ def load_for_training(run: TrainingRun, verbose: bool = True):
 
 
 def fit_to_budget(run: TrainingRun, verbose: bool = True) -> None:
+    """Auto-fit for this process's share of the global batch. With several processes rank 0 alone tries the
+    candidates on its GPU and every process takes its choice, so all run the same micro-batch x accumulation."""
     from .planner import plan_for_config
 
     # Short rows (the shipped data: ~110 tokens) never fill max_length: fit for what training will really run
@@ -173,32 +223,60 @@ def fit_to_budget(run: TrainingRun, verbose: bool = True) -> None:
     if verbose and seq < run.cfg.max_length:
         print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
     context = run.summary.get("cuda_context_gib")
-    run.cfg = run_auto_fit(run.cfg, run.model, run.tokenizer, run.shape, context, verbose, seq=seq)
+    fitted = error = None
+    if distributed.is_main():
+        try:
+            fitted = run_auto_fit(run.cfg, run.model, run.tokenizer, run.shape, context, verbose, seq=seq)
+        except Exception as e:  # noqa: BLE001 - the other processes must hear of it, not wait for a choice
+            error, fitted = e, f"{type(e).__name__}: {e}"
+    fitted = distributed.broadcast(fitted)
+    if error is not None:
+        raise error
+    if isinstance(fitted, str):
+        raise RuntimeError(f"auto-fit failed on rank 0 ({fitted})")
+    if not fitted.gradient_checkpointing:
+        run.model.gradient_checkpointing_disable()
+    run.cfg = fitted
     run.prediction = plan_for_config(run.cfg.replace(max_length=seq), run.shape, context_gib=context)
 
 
 def open_run_folder(run: TrainingRun, listeners=(), verbose: bool = True) -> Path:
     """A new runs/<name>/ with config.json (or the resumed one, its metrics cut back to the checkpoint), and the
-    callback that writes metrics.jsonl; `listeners` get each record too (the live plot)."""
+    callback that writes metrics.jsonl; `listeners` get each record too (the live plot). With several processes
+    rank 0 names and writes the folder and the others are told its path."""
+    main = distributed.is_main()
     if run.resume_dir is not None:
         run.run_dir = run.resume_dir
-        split_metrics_at(run.run_dir, int(run.checkpoint.rsplit("-", 1)[1]))
+        if main:
+            split_metrics_at(run.run_dir, int(run.checkpoint.rsplit("-", 1)[1]))
         previous = read_json(run.run_dir / "summary.json")
         run.summary.update({k: previous.get(k) for k in BEFORE_TRAINING_KEYS})
         print(f"[run] resuming {run.run_dir} from {Path(run.checkpoint).name}")
     else:
-        run.run_dir = new_run_dir(run.cfg, run.choice.name)
-        run.cfg.save(run.run_dir / "config.json")
-    mark_latest(run.run_dir)
+        run_dir = None
+        if main:
+            run_dir = new_run_dir(run.cfg, run.choice.name)
+            saved_config(run).save(run_dir / "config.json")
+        run.run_dir = distributed.broadcast(run_dir)
+    if main:
+        mark_latest(run.run_dir)
     run.last_good = LastGoodAdapter(run.model)
     listeners = [*listeners, run.last_good]
     if verbose:
         print(f"[run] {run.run_dir}")
         total = run.cfg.max_steps if run.cfg.max_steps > 0 else \
-            int(run.cfg.num_train_epochs * -(-len(run.train_rows) // run.cfg.effective_batch))
+            int(run.cfg.num_train_epochs * -(-len(run.train_rows) // run.global_batch))
         listeners.append(progress_printer(total, every=max(1, total // 20)))
-    run.metrics = MetricsCallback(run.run_dir / "metrics.jsonl", listeners=listeners)
+    run.metrics = MetricsCallback(run.run_dir / "metrics.jsonl", listeners=listeners, write=main,
+                                  fields={"world_size": run.world_size, "global_batch": run.global_batch})
     return run.run_dir
+
+
+def saved_config(run: TrainingRun) -> RunConfig:
+    """What config.json keeps: the one-process equivalent of what each process runs (same global batch), so the
+    file trains the same global batch however many processes load it (a resume, a rerun on one GPU)."""
+    micro, accum = distributed.one_process_equivalent(run.cfg.micro_batch_size, run.cfg.grad_accum, run.world_size)
+    return run.cfg.replace(micro_batch_size=micro, grad_accum=accum)
 
 
 def sft_config(run: TrainingRun):
@@ -251,6 +329,9 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         use_cpu=not cuda,
         dataloader_pin_memory=cuda,
         disable_tqdm=True,
+        # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
+        # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.
+        ddp_find_unused_parameters=False if run.world_size > 1 else None,
     )
 
 
@@ -276,6 +357,11 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
+    device = trainer.args.device
+    if run.world_size > 1 and device.type == "cpu" and device.index is not None:
+        # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the
+        # map_location of a resumed run's optimizer state; "cpu" is the same memory.
+        trainer.args.__dict__["_setup_devices"] = type(device)("cpu")
     fast = getattr(run.model, "_nb_fast", None)
     if fast is not None and fast.nomask:
         from .fastpath import guard_collator
@@ -292,11 +378,13 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
 
 def evaluate_before(run: TrainingRun, trainer) -> dict:
     """The base model's task score and eval loss: the adapter starts with B = 0, so the model right now answers
-    exactly like the base model. A resumed run keeps the numbers its first start measured."""
+    exactly like the base model. A resumed run keeps the numbers its first start measured. With several processes
+    rank 0 alone scores the task; the eval loss is computed by all of them, each on its share of the rows."""
     if run.checkpoint is None:
-        if run.task_rows:
+        if run.task_rows and distributed.is_main():
             run.base_answers = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens)
             run.summary.update(task_metric=run.base_answers["metric"], task_base=run.base_answers["score"])
+        distributed.wait()
         if run.eval_rows:
             run.summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     return {k: run.summary.get(k) for k in BEFORE_TRAINING_KEYS}
@@ -320,27 +408,42 @@ def guard_training(run: TrainingRun, trainer):
         if not is_disk_full(e):
             raise
         run.metrics.close()
-        write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "save failed"})
+        if distributed.is_main():
+            write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "save failed"})
         raise RuntimeError(disk_advice(run.run_dir, e, "a checkpoint")) from e
 
 
 def finish_run(run: TrainingRun, trainer, verbose: bool = True) -> Path:
     """After trainer.train(): report an out-of-memory stop, keep the last good adapter after a NaN, save adapter/,
-    measure the tuned model, and write summary.json and training.png. Returns the run folder."""
+    measure the tuned model, and write summary.json and training.png. Returns the run folder. With several
+    processes rank 0 writes; every process returns once the folder is complete."""
     if run.oom_step is not None:
         stop_after_oom(run, trainer)
     keep_good_adapter(run)
     if run.summary.get("status", "completed") == "completed":
         evaluate_after(run, trainer)
     run.metrics.close()
-    summary = write_summary(run.run_dir, run.choice.name, run.summary)
-    save_plots(run.run_dir)
-    if verbose:
-        print_summary(summary)
+    record_processes(run)
+    if distributed.is_main():
+        summary = write_summary(run.run_dir, run.choice.name, run.summary)
+        save_plots(run.run_dir)
+        if verbose:
+            print_summary(summary)
+    distributed.wait()
     return run.run_dir
 
 
 # --- what finish_run does --------------------------------------------------------------------------------------
+
+def record_processes(run: TrainingRun) -> None:
+    """world_size and the global batch for summary.json; with several processes, each one's peak device memory
+    (every process takes part: the peaks are gathered to rank 0)."""
+    run.summary.update(world_size=run.world_size, global_batch=run.global_batch,
+                       per_process_batch=[run.cfg.micro_batch_size, run.cfg.grad_accum])
+    if run.world_size > 1:
+        peak = max((r["device_used_gib"] for r in run.metrics.records if r.get("device_used_gib") is not None),
+                   default=None)
+        run.summary["peak_vram_gib_per_process"] = distributed.gather(peak)
 
 def stop_after_oom(run: TrainingRun, trainer) -> None:
     """Hand the memory back (the notebook kernel keeps running), record the stop, and say which knob to turn."""
@@ -348,7 +451,8 @@ def stop_after_oom(run: TrainingRun, trainer) -> None:
     release_trainer(trainer)
     run.model = run.last_good.model = run.last_good.state = None
     gc.collect()
-    write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "oom"})
+    if distributed.is_main():
+        write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "oom"})
     raise RuntimeError(oom_advice(run.cfg, run.oom_step, run.shape))
 
 
@@ -363,7 +467,7 @@ def keep_good_adapter(run: TrainingRun) -> None:
               "(try half), keep max_grad_norm, or use bf16 where the GPU supports it. "
               + (f"adapter/ holds the last good weights, from step {run.last_good.step}." if restored else
                  "No finite step was completed, so no adapter was saved."))
-    if bad_step is None or run.summary.get("adapter_step"):
+    if (bad_step is None or run.summary.get("adapter_step")) and distributed.is_main():
         save_adapter(run.model, run.tokenizer, run.run_dir)
 
 
@@ -373,7 +477,7 @@ def evaluate_after(run: TrainingRun, trainer) -> None:
         evals = [r for r in run.metrics.records if "eval_loss" in r]
         already = evals and evals[-1]["step"] == trainer.state.global_step  # eval_steps hit the last step
         run.summary["eval_loss_after"] = evals[-1]["eval_loss"] if already else trainer.evaluate()["eval_loss"]
-    if run.task_rows:
+    if run.task_rows and distributed.is_main():
         tuned = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens)
         run.summary["task_tuned"] = tuned["score"]
         if run.base_answers is not None:
@@ -510,7 +614,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     if shape is None:
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
                            "and grad_accum by hand instead")
-    budget = cfg.budget_gib or torch.cuda.get_device_properties(0).total_memory / 2**30
+    budget = cfg.budget_gib or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     seq = min(seq or cfg.max_length, cfg.max_length)
     base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
     dtype = getattr(torch, base.compute_dtype)
