@@ -159,3 +159,16 @@ def describe_split(micro: int, accum: int, world: int) -> str:
 def one_process_equivalent(micro: int, accum: int, world: int) -> tuple[int, int]:
     """What config.json keeps for a run that trained micro x accum on each of `world` processes."""
     return micro, accum * world
+
+
+def one_gpu_per_process(trainer) -> bool:
+    """A single process that sees several GPUs trains on one. The Trainer would wrap the model in nn.DataParallel
+    over every visible GPU, which cannot split a 4-bit model (measured on 2 x H200: "Expected all tensors to be on the
+    same device, cuda:1 and cuda:0"); `accelerate launch` is how to use several. Returns whether it changed anything."""
+    if world_size() > 1 or trainer.args.n_gpu <= 1:
+        return False
+    print(f"[gpus] this process sees {trainer.args.n_gpu} GPUs and trains on cuda:0; to train on all of them: "
+          "accelerate launch --multi_gpu --num_processes N -m nb_helpers train ...", flush=True)
+    trainer.args._n_gpu = 1
+    trainer._train_batch_size = trainer.args.per_device_train_batch_size
+    return True

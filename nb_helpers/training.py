@@ -357,6 +357,7 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
+    distributed.one_gpu_per_process(trainer)
     device = trainer.args.device
     if run.world_size > 1 and device.type == "cpu" and device.index is not None:
         # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the

@@ -274,3 +274,27 @@ def test_nvml_measures_the_gpu_this_process_trains_on(monkeypatch):
     assert _nvml_handle(fake, 1) == ("index", 3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
     assert _nvml_handle(fake, 0) == ("uuid", "GPU-aaaa")
+
+
+def test_one_process_that_sees_several_gpus_trains_on_one(capsys, monkeypatch):
+    """Without `accelerate launch`, the Trainer would spread a 4-bit model over every GPU with nn.DataParallel."""
+    from types import SimpleNamespace
+
+    from nb_helpers import distributed
+
+    class Args:
+        per_device_train_batch_size, _n_gpu = 8, 2
+
+        @property
+        def n_gpu(self):
+            return self._n_gpu
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    trainer = SimpleNamespace(args=Args(), _train_batch_size=16)
+    assert distributed.one_gpu_per_process(trainer)
+    assert (trainer.args.n_gpu, trainer._train_batch_size) == (1, 8)
+    assert "trains on cuda:0" in capsys.readouterr().out
+    assert not distributed.one_gpu_per_process(trainer)  # one GPU: nothing to change
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    trainer.args._n_gpu = 2
+    assert not distributed.one_gpu_per_process(trainer)  # launched: each process has its own GPU already
