@@ -131,14 +131,15 @@ def bnb_config(cfg: RunConfig):
 
 
 def device_map_for_this_process():
-    """One process, one device: "auto" alone; under `accelerate launch` each rank keeps a full copy on its GPU
-    (DDP), or in its own host memory when the processes run on the CPU (gloo)."""
+    """One process, one device. Under `accelerate launch` each rank keeps a full copy on its GPU (DDP), or in its own
+    host memory when the processes run on the CPU (gloo). A single process takes the first GPU: "auto" would split
+    the layers over every visible GPU, and the loss then meets tensors on two devices (failed on 2 x H200)."""
     import torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         return {"": int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.is_available() else "cpu"}
-    return "auto"
+    return {"": torch.cuda.current_device()} if torch.cuda.is_available() else "auto"
 
 
 def load_4bit(cfg: RunConfig, choice: ModelChoice):
