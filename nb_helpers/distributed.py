@@ -161,14 +161,14 @@ def one_process_equivalent(micro: int, accum: int, world: int) -> tuple[int, int
     return micro, accum * world
 
 
-def one_gpu_per_process(trainer) -> bool:
-    """A single process that sees several GPUs trains on one. The Trainer would wrap the model in nn.DataParallel
-    over every visible GPU, which cannot split a 4-bit model (measured on 2 x H200: "Expected all tensors to be on the
-    same device, cuda:1 and cuda:0"); `accelerate launch` is how to use several. Returns whether it changed anything."""
-    if world_size() > 1 or trainer.args.n_gpu <= 1:
+def one_gpu_per_process(args) -> bool:
+    """A single process that sees several GPUs trains on one. Left alone, the Trainer would wrap the model in
+    nn.DataParallel over every visible GPU, which SFTTrainer refuses at construction (measured on 2 x H200);
+    `accelerate launch` is how to use several. Call it on the SFTConfig before building the trainer. Returns whether
+    it changed anything."""
+    if world_size() > 1 or args.n_gpu <= 1:
         return False
-    print(f"[gpus] this process sees {trainer.args.n_gpu} GPUs and trains on cuda:0; to train on all of them: "
+    print(f"[gpus] this process sees {args.n_gpu} GPUs and trains on cuda:0; to train on all of them: "
           "accelerate launch --multi_gpu --num_processes N -m nb_helpers train ...", flush=True)
-    trainer.args._n_gpu = 1
-    trainer._train_batch_size = trainer.args.per_device_train_batch_size
+    args._n_gpu = 1  # what TrainingArguments itself sets for a model split over devices
     return True

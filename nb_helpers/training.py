@@ -339,9 +339,11 @@ def build_trainer(run: TrainingRun):
     """SFTTrainer over the run's model and data, as notebook 03 writes it out, then adapt_trainer."""
     from trl import SFTTrainer
 
+    args = sft_config(run)
+    distributed.one_gpu_per_process(args)
     trainer = SFTTrainer(
         model=run.model,
-        args=sft_config(run),
+        args=args,
         train_dataset=to_dataset(run.train_rows),
         eval_dataset=to_dataset(run.eval_rows) if run.eval_rows else None,
         processing_class=run.tokenizer,
@@ -357,7 +359,6 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
-    distributed.one_gpu_per_process(trainer)
     device = trainer.args.device
     if run.world_size > 1 and device.type == "cpu" and device.index is not None:
         # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the

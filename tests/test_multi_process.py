@@ -277,9 +277,8 @@ def test_nvml_measures_the_gpu_this_process_trains_on(monkeypatch):
 
 
 def test_one_process_that_sees_several_gpus_trains_on_one(capsys, monkeypatch):
-    """Without `accelerate launch`, the Trainer would spread a 4-bit model over every GPU with nn.DataParallel."""
-    from types import SimpleNamespace
-
+    """Without `accelerate launch`, the Trainer would spread the model over every GPU with nn.DataParallel, which
+    SFTTrainer refuses; the config is set to one GPU before the trainer is built."""
     from nb_helpers import distributed
 
     class Args:
@@ -289,12 +288,16 @@ def test_one_process_that_sees_several_gpus_trains_on_one(capsys, monkeypatch):
         def n_gpu(self):
             return self._n_gpu
 
+        @property
+        def train_batch_size(self):  # as TrainingArguments computes it
+            return self.per_device_train_batch_size * max(1, self.n_gpu)
+
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    trainer = SimpleNamespace(args=Args(), _train_batch_size=16)
-    assert distributed.one_gpu_per_process(trainer)
-    assert (trainer.args.n_gpu, trainer._train_batch_size) == (1, 8)
+    args = Args()
+    assert distributed.one_gpu_per_process(args)
+    assert (args.n_gpu, args.train_batch_size) == (1, 8)
     assert "trains on cuda:0" in capsys.readouterr().out
-    assert not distributed.one_gpu_per_process(trainer)  # one GPU: nothing to change
+    assert not distributed.one_gpu_per_process(args)  # one GPU: nothing to change
     monkeypatch.setenv("WORLD_SIZE", "2")
-    trainer.args._n_gpu = 2
-    assert not distributed.one_gpu_per_process(trainer)  # launched: each process has its own GPU already
+    args._n_gpu = 2
+    assert not distributed.one_gpu_per_process(args)  # launched: each process has its own GPU already
