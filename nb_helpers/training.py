@@ -285,7 +285,7 @@ def sft_config(run: TrainingRun):
     from trl import SFTConfig
 
     cfg, dtype = run.cfg, resolve_compute_dtype(run.cfg.compute_dtype)
-    return SFTConfig(
+    args = SFTConfig(
         per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=cfg.learning_rate,
@@ -304,6 +304,8 @@ def sft_config(run: TrainingRun):
         seed=cfg.seed,
         **bookkeeping_args(run),
     )
+    distributed.one_gpu_per_process(args)  # one process, several GPUs visible: train on one (SFTTrainer refuses more)
+    return args
 
 
 def bookkeeping_args(run: TrainingRun) -> dict:
@@ -339,11 +341,9 @@ def build_trainer(run: TrainingRun):
     """SFTTrainer over the run's model and data, as notebook 03 writes it out, then adapt_trainer."""
     from trl import SFTTrainer
 
-    args = sft_config(run)
-    distributed.one_gpu_per_process(args)
     trainer = SFTTrainer(
         model=run.model,
-        args=args,
+        args=sft_config(run),
         train_dataset=to_dataset(run.train_rows),
         eval_dataset=to_dataset(run.eval_rows) if run.eval_rows else None,
         processing_class=run.tokenizer,
