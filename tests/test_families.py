@@ -251,3 +251,16 @@ def test_a_widget_can_plan_each_known_shape():
     assert plan_for_family(cfg, "phi-4-mini", context_gib=0.3).inputs.targets == ("qkv_proj", "o_proj")
     with pytest.raises(ValueError, match="no shape 'qwen9'"):
         plan_for_family(cfg, "qwen9")
+
+
+def test_budget_check_skips_a_family_it_cannot_count(monkeypatch, capsys):
+    from nb_helpers import preflight
+    from nb_helpers.config import RunConfig
+    from nb_helpers.models import ModelChoice
+
+    class Gpt2Like:
+        model_type = "gpt2"
+
+    monkeypatch.setattr(preflight, "model_config", lambda cfg, choice: Gpt2Like())
+    preflight.check_budget_fits(RunConfig(budget_gib=4.0), ModelChoice("x", "x", "t"), 3.0)  # no exception
+    assert "cannot check the 4-bit weights" in capsys.readouterr().out
