@@ -202,6 +202,8 @@ def _offload_hooks():
     def pack(tensor):
         if tensor.device.type != "cuda" or tensor.numel() < 1 << 16:
             return tensor  # small or host tensors: not worth a copy
+        if tensor.is_leaf and tensor.requires_grad:
+            return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
         host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         return tensor.device, host

@@ -298,7 +298,8 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
         + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
     if inp.gradient_checkpointing:
-        kept = 0 if inp.offload else L * rb * h * T  # offloaded: one layer's input comes back at a time (transient)
+        # offloaded: all but the first layer's input (the embedding output, a leaf autograd keeps) leave the card
+        kept = (1 if inp.offload else L) * rb * h * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
     kept += shared + rb * h * T  # + the final norm's input

@@ -204,8 +204,8 @@ def test_the_budget_cap_holds_with_expandable_segments():
 @pytest.mark.gpu
 def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg):
     """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back: the same dropout masks
-    and inputs give bitwise the same LoRA gradients, and the device holds layers x tokens x hidden x 2 bytes less
-    between the forward and the backward."""
+    and inputs give bitwise the same LoRA gradients, and the device holds (layers - 1) x tokens x hidden x 2 bytes
+    less between the forward and the backward."""
     import functools
 
     import torch
@@ -235,7 +235,8 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
         layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, use_reentrant=False)
     offloaded, offloaded_held = grads_and_held_bytes()
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
-    checkpoints = len(layers) * ids.numel() * hidden * 2
+    # every layer's input but the first, which is the embedding output: a leaf that autograd keeps anyway
+    checkpoints = (len(layers) - 1) * ids.numel() * hidden * 2
     assert plain_held - offloaded_held >= 0.9 * checkpoints, (plain_held, offloaded_held, checkpoints)
 
 
