@@ -79,6 +79,11 @@ def memory_snapshot() -> dict:
     return snap
 
 
+def format_memory(snap: dict) -> str:
+    """A memory_snapshot() as one line per number, '—' where this machine has none (no GPU: only host RSS)."""
+    return "\n".join(f"{key:<24} {'—' if value is None else f'{value:.2f} GiB'}" for key, value in snap.items())
+
+
 def _sync() -> None:
     import torch
 
