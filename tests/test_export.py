@@ -14,6 +14,7 @@ ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{
           "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 
 
+@pytest.mark.slow
 def test_f16_gguf_of_the_embedded_model_round_trips(embedded_dir, tmp_path):
     """Same weights, same tokens, same chat template and the same greedy answers, read back by transformers alone."""
     import torch
