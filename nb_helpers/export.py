@@ -323,7 +323,8 @@ def ollama_modelfile(tokenizer, gguf_name: str, temperature: float = 0.0) -> str
     if fmt.default_system is not None:
         lines.append(f'SYSTEM """{fmt.default_system}"""')
     lines += [f'PARAMETER stop "{stop}"' for stop in fmt.stops]
-    lines.append(f"PARAMETER temperature {temperature:g}  # greedy, as the course scores; raise it for variety")
+    lines += ["# 0 is greedy, as the course scores answers; raise it for varied answers",  # Modelfile comments: own line
+              f"PARAMETER temperature {temperature:g}"]
     return "\n".join(lines) + "\n"
 
 
@@ -375,5 +376,5 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
         results.append(result)
     modelfile = out_dir / "Modelfile"
     modelfile.write_text(ollama_modelfile(tokenizer, results[-1].path.name), encoding="utf-8")
-    log(f"[export] {modelfile}: `ollama create NAME -f {modelfile}` inside {out_dir}")
+    log(f"[export] Ollama: `ollama create NAME -f {modelfile}` (its FROM line names the Q8_0 or last file written)")
     return results
