@@ -1,4 +1,4 @@
-"""Command line: python -m nb_helpers {env,config,plan,train,validate-data,course,clean-notebooks} --help"""
+"""Command line: python -m nb_helpers {env,config,plan,train,validate-data,export,course,clean-notebooks} --help"""
 
 from __future__ import annotations
 
@@ -156,6 +156,35 @@ def cmd_validate_data(args) -> int:
     return report.exit_code
 
 
+def cmd_export(args) -> int:
+    """Merge a run's adapter into 16-bit, write GGUF files, check their greedy answers, write an Ollama Modelfile.
+    Exit 0 when every F16 GGUF answers as the merged model, 1 when one does not, 2 for bad input."""
+    from .data import load_rows
+    from .export import GGUF_KINDS, export_gguf, merge_adapter
+    from .runs import load_run
+
+    kinds = [k.strip().lower() for k in args.gguf.split(",") if k.strip()]
+    if not kinds or any(k not in GGUF_KINDS for k in kinds):
+        raise ConfigError(f"--gguf {args.gguf!r}: a comma list of {', '.join(GGUF_KINDS)}")
+    try:
+        run = load_run(args.run)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    cfg = RunConfig.from_dict(run.config)
+    start = time.perf_counter()
+    _, merged_dir = merge_adapter(run.path, run.path / "merged")
+    print(f"[export] merged 16-bit model: {merged_dir} ({time.perf_counter() - start:.1f} s)")
+    conversations = None
+    if args.prompts and cfg.eval_file:
+        conversations = [r["prompt"] for r in load_rows(cfg.eval_file, cfg, args.prompts)]
+    results = export_gguf(merged_dir, kinds, conversations, cfg.max_new_tokens, out_dir=run.path / "gguf")
+    wrong = [r for r in results if r.kind == "f16" and r.total and r.agree != r.total]
+    for r in wrong:
+        print(f"error: {r.path.name} answers differently from the merged model on {r.total - r.agree} prompt(s)",
+              file=sys.stderr)
+    return 1 if wrong else 0
+
+
 def cmd_course(args) -> int:
     """Execute every numbered notebook in order (what `make run` does) and keep the executed copies."""
     import nbformat
@@ -267,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all-tokens", action="store_true", help="loss on all tokens (completion_only_loss=False)")
     p.add_argument("--limit", type=int, default=200, help="most problems to print")
     p.set_defaults(func=cmd_validate_data)
+
+    p = sub.add_parser("export", help="merged 16-bit model -> GGUF (f16, q8_0), checked, + Ollama Modelfile")
+    p.add_argument("--run", default=str(PROJECT_ROOT / "runs" / "latest"), help="run folder (default: runs/latest)")
+    p.add_argument("--gguf", default="f16,q8_0", help="comma list of GGUF kinds: f16, q8_0")
+    p.add_argument("--prompts", type=int, default=12,
+                   help="held-out prompts whose greedy answers each GGUF must reproduce (0 skips the check)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("course", help="execute notebooks 00-05 in order and keep them in the run folder (make run)")
     p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")

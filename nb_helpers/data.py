@@ -165,17 +165,31 @@ def normalize_row(row, completion_only_loss: bool = True) -> dict:
     return {"prompt": prompt, "completion": completion}
 
 
+def training_tokens(row: dict, tokenizer, completion_only_loss: bool = True) -> dict:
+    """One normalized row as SFTTrainer sees it (TRL 1.16's prompt-completion path): the chat-templated `text`,
+    its `input_ids`, and `labels` holding -100 where a token does not count in the loss. The prompt is the part
+    the chat template renders for the prompt messages plus the assistant's opening; the answer is the rest."""
+    if "text" in row:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        return {"text": row["text"], "input_ids": ids, "labels": list(ids)}
+    ids = lambda messages, **kw: list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                                     **kw)["input_ids"])
+    prompt_ids = ids(row["prompt"], add_generation_prompt=True)
+    full_ids = ids(row["prompt"] + row["completion"])
+    start = next((i for i, (a, b) in enumerate(zip(prompt_ids, full_ids)) if a != b), min(len(prompt_ids), len(full_ids)))
+    labels = [-100] * start + full_ids[start:] if completion_only_loss else list(full_ids)
+    return {"text": tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False),
+            "input_ids": full_ids, "labels": labels}
+
+
 def _token_count(tokenizer, row: dict) -> tuple[int, int]:
     """(prompt tokens, total tokens) as the trainer will see them."""
-    if "text" in row:
-        return 0, len(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
-    if not getattr(tokenizer, "chat_template", None):  # the template is the model's own; we never invent one
+    if "text" not in row and not getattr(tokenizer, "chat_template", None):  # the model's own; we never invent one
         raise DataError("this model's tokenizer has no chat template (a base checkpoint?), so chat rows cannot be "
                         "formatted: use the model's instruct/chat variant, or {'text': ...} rows")
-    prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
-    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return count(prompt), count(full)
+    tokens = training_tokens(row, tokenizer)
+    prompt = 0 if "text" in row else tokens["labels"].count(-100)
+    return prompt, len(tokens["input_ids"])
 
 
 def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=None,

@@ -83,6 +83,11 @@ def outside_allocator_gib(index: int = 0) -> float:
     return max(0.0, (process_used_bytes(index) or 0.0) - torch.cuda.memory_reserved(index)) / 2**30
 
 
+def format_memory(snap: dict) -> str:
+    """A memory_snapshot() as one line per number, '—' where this machine has none (no GPU: only host RSS)."""
+    return "\n".join(f"{key:<24} {'—' if value is None else f'{value:.2f} GiB'}" for key, value in snap.items())
+
+
 def memory_snapshot() -> dict:
     import psutil
     import torch

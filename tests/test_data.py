@@ -80,3 +80,25 @@ def test_longest_row_is_counted_as_the_trainer_sees_it(tokenizer_dir):
     full = tokenizer.apply_chat_template(long["prompt"] + long["completion"], tokenize=False)
     assert longest_row_tokens([short, long, short], tokenizer) == len(tokenizer(full, add_special_tokens=False)["input_ids"])
     assert longest_row_tokens([short], tokenizer) < longest_row_tokens([long], tokenizer)
+
+
+def test_training_tokens_are_what_sfttrainer_trains_on(tiny_model_dir, tmp_path):
+    """Notebook 03 shows the masked labels through training_tokens: they must be TRL's, token for token."""
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from nb_helpers.data import to_dataset, training_tokens
+    from nb_helpers.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    cfg = RunConfig()
+    rows = load_rows(cfg.train_file, cfg, 3) + [normalize_row({"instruction": "Say hi", "output": "hi"})]
+    args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, max_length=512, report_to=[], bf16=False,
+                     use_cpu=True)
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir), args=args,
+                         train_dataset=to_dataset(rows), processing_class=tokenizer)
+    for row, theirs in zip(rows, trainer.train_dataset):
+        ours = training_tokens(row, tokenizer)
+        assert ours["input_ids"] == theirs["input_ids"] and ours["labels"] == theirs["labels"]
+        answer = tokenizer.decode([t for t in ours["labels"] if t != -100])
+        assert answer == row["completion"][0]["content"] + tokenizer.eos_token + "\n"  # the answer and its end of turn
