@@ -22,6 +22,7 @@ from .lora import check_targets, lora_config, parameter_counts
 from .metrics import MetricsCallback, median, read_metrics, record_nvml_baseline
 from .models import load_4bit, load_tokenizer, resolve_model
 from .runs import mark_latest, new_run_dir, resolve_run, write_json
+from .frontend import resume_hint
 from .task_metric import evaluate_task
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps pay for allocation and kernel selection; timing ignores them
@@ -445,7 +446,7 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     base = None
     if task_rows and checkpoint is None:
         # The adapter starts with B = 0, so the model right now answers exactly like the base model.
-        base = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens)
+        base = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens, label="scoring the base model")
         extra.update(task_metric=base["metric"], task_base=base["score"])
     if eval_rows and checkpoint is None:
         extra["eval_loss_before"] = trainer.evaluate()["eval_loss"]
@@ -460,7 +461,7 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
         except Exception as e:  # never lose the run over a failed extra save
             print(f"[run] could not write a checkpoint on interrupt ({e}); the last periodic one is kept")
         print(f"[run] interrupted at step {trainer.state.global_step}: adapter saved as it is now; "
-              f"resume with `python -m nb_helpers train --resume {run_dir}`")
+              f"{resume_hint(run_dir)}")
     except torch.OutOfMemoryError:
         oom_step = trainer.state.global_step
     except OSError as e:
@@ -499,7 +500,7 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
             already = evals and evals[-1]["step"] == trainer.state.global_step  # eval_steps hit the last step
             extra["eval_loss_after"] = evals[-1]["eval_loss"] if already else trainer.evaluate()["eval_loss"]
         if task_rows:
-            tuned = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens)
+            tuned = evaluate_task(model, tokenizer, task_rows, cfg.max_new_tokens, label="scoring the tuned model")
             extra["task_tuned"] = tuned["score"]
             if base is not None:
                 write_jsonl(run_dir / "predictions.jsonl",
