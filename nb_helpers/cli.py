@@ -88,10 +88,15 @@ def cmd_plan(args) -> int:
     for name, value in (("--seq", args.seq), ("--batch", args.batch), ("--accum", args.accum), ("--rank", args.rank)):
         if value < 1:
             raise ConfigError(f"{name} {value}: must be >= 1")
+    from .fastpath import gpu_options, kernels_installed
+
+    fast = gpu_options()  # the same GPU-path levers as the notebooks' panel (planner.plan_for_config)
     inp = PlanInput(seq=args.seq, batch=args.batch, accum=args.accum, rank=args.rank, targets=targets,
                     gradient_checkpointing=not args.no_gc, optim=args.optim, compute_dtype=dtype,
                     double_quant=not args.no_double_quant, lora_dropout=args.dropout,
-                    labelled_fraction=args.labelled_fraction, context_gib=context, gpu_capability=capability)
+                    labelled_fraction=args.labelled_fraction, context_gib=context, gpu_capability=capability,
+                    lean=fast.lean, nomask=fast.nomask, fused_kernels=fast.kernels and kernels_installed(),
+                    expandable=fast.expandable and sys.platform.startswith("linux"))
     try:
         result = plan(shape, inp, budget_gib=args.budget)
     except ValueError as e:
