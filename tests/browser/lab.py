@@ -132,6 +132,9 @@ class LabServer:
 # --- the notebook, as a person sees it --------------------------------------------------------------------------
 # JupyterLab exposes itself as window.jupyterapp (expose_app_in_browser): running cells goes through its commands,
 # as the Run menu does, while everything asserted is read from the rendered page.
+# What JupyterLab and ipywidgets show instead of a widget they cannot render
+WIDGET_FAILURES = ("Error displaying widget", "Error rendering", "Failed to create view", "Could not create a view",
+                   "Loading widget...")
 # The notebook panel by its path (the launcher or another tab may be the current widget)
 PANEL = "Array.from(window.jupyterapp.shell.widgets('main')).find(w => w.context && w.context.path === name)"
 JS_RUN = """async ([name, index]) => {
@@ -161,7 +164,12 @@ class Notebook:
         self.page, self.lab, self.name = page, lab, name
 
     def open(self) -> "Notebook":
-        self.page.goto(f"{self.lab.url}/lab/tree/{self.name}?token={self.lab.token}")
+        """Open it as the file browser does (the first time, load JupyterLab at its URL)."""
+        if self.page.url.startswith(self.lab.url) and self.page.evaluate("() => !!window.jupyterapp"):
+            self.page.evaluate("async (path) => { await window.jupyterapp.commands.execute('docmanager:open', "
+                               "{path}); }", self.name)  # returns nothing: the widget itself cannot be serialized
+        else:
+            self.page.goto(f"{self.lab.url}/lab/tree/{self.name}?token={self.lab.token}")
         self.page.wait_for_function(JS_READY, arg=self.name, timeout=120_000)  # rendered, and its kernel is up
         return self
 
@@ -184,7 +192,7 @@ class Notebook:
     def state(self, index: int) -> dict:
         return self.page.evaluate(JS_STATE, [self.name, index])
 
-    def run(self, index: int, timeout: float = 300, watch=None) -> dict:
+    def run(self, index: int, timeout: float = 900, watch=None) -> dict:
         """Run one cell and wait until it finished; `watch(state)` is called while it runs."""
         before = self.state(index)["count"]
         self.page.evaluate(JS_RUN, [self.name, index])
@@ -199,23 +207,28 @@ class Notebook:
             time.sleep(0.25)
         raise TimeoutError(f"{self.name} cell {index} still running after {timeout} s")
 
-    def run_all_from(self, start: int, stop: int | None = None, timeout: float = 300) -> None:
+    def run_all_from(self, start: int, stop: int | None = None, timeout: float = 900) -> None:
         sources = self.sources()
         for index in range(start, len(sources) if stop is None else stop):
             if self.state(index)["type"] == "code":
                 self.run(index, timeout)
 
-    def errors(self) -> list[str]:
-        """Every error output, and every widget that could not be shown, in the whole notebook."""
-        found = []
-        for index, outputs in enumerate(self.page.evaluate(JS_ALL_OUTPUTS, self.name)):
-            for out in outputs:
-                if out.get("output_type") == "error":
-                    found.append(f"cell {index}: {out.get('ename')}: {out.get('evalue')}")
-        for text in self.panel().locator(".jp-OutputArea-output").all_inner_texts():
-            if "Error displaying widget" in text or "Error rendering" in text:
-                found.append(f"output shows {text.strip()[:200]!r}")
-        return found
+    def errors(self, settle: float = 20) -> list[str]:
+        """Every error output, and every widget that could not be shown, in the whole notebook (a widget still
+        "Loading widget..." gets `settle` seconds to finish)."""
+        deadline = time.time() + settle
+        while True:
+            found = []
+            for index, outputs in enumerate(self.page.evaluate(JS_ALL_OUTPUTS, self.name)):
+                for out in outputs:
+                    if out.get("output_type") == "error":
+                        found.append(f"cell {index}: {out.get('ename')}: {out.get('evalue')}")
+            for text in self.panel().locator(".jp-OutputArea-output").all_inner_texts():
+                if any(sign in text for sign in WIDGET_FAILURES):
+                    found.append(f"output shows {text.strip()[:200]!r}")
+            if not found or time.time() > deadline or not all("Loading widget" in f for f in found):
+                return found
+            time.sleep(0.5)
 
     def save(self) -> None:
         assert self.page.evaluate(JS_SAVE, self.name) is False, f"{self.name} still has unsaved changes"

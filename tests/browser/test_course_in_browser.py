@@ -17,7 +17,13 @@ from playwright.sync_api import expect
 pytestmark = pytest.mark.browser
 
 PROGRESS = ".widget-hbox:has(.widget-hprogress)"  # tqdm's bar: label, bar, percentage and times
+TRAINING_TIMEOUT = 1800  # s: a hang detector, not a speed check (as nbmake's); CI-sized training takes ~1 min
 STATE: dict = {}  # what one step of the flow leaves for the next
+
+
+def bar_texts(cell) -> list[str]:
+    """The progress bars' text (tqdm draws spaces as U+2007 figure spaces, which keep its columns steady)."""
+    return [t.replace("\u2007", " ") for t in cell.locator(PROGRESS).all_inner_texts()]
 
 
 def slider(cell, label: str):
@@ -72,6 +78,14 @@ def cli_plan_peak(cfg, model_dir) -> float:
     return json.loads(out.getvalue())["peak_gib"]
 
 
+def assert_controls_render(nb, cell, labels) -> None:
+    """Every control is drawn (a widget that stops rendering fails here, by name) and nothing shows an error."""
+    for label in labels:
+        expect(cell.locator(".jupyter-widgets", has_text=label).first, f"control {label!r} not shown") \
+            .to_be_visible(timeout=20_000)
+    assert nb.errors() == []
+
+
 def assert_readable_layout(cell) -> None:
     """No label cut off, and slider tracks wide enough to aim at (they were ~54 px, labels ended in '…')."""
     for label in cell.locator("label.widget-label").all():
@@ -88,6 +102,7 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     nb.run_all_from(0, panel + 1)
     cell = nb.cell(panel)
     expect(cell.locator(".widget-html", has_text="predicted peak")).to_be_visible()
+    assert_controls_render(nb, cell, ["LoRA rank r", "LoRA alpha", "LoRA dropout", "targets", "effective batch"])
     assert_readable_layout(cell)
 
     rank, alpha = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha")
@@ -128,6 +143,9 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     assert "carried from earlier notebooks" in setup and "lora_r=16" in setup  # notebook 02's choice arrived
 
     cell = nb.cell(panel)
+    assert_controls_render(nb, cell, ["LoRA rank r", "LoRA alpha", "grad accum", "micro-batch", "max length",
+                                      "gradient checkpointing", "learning rate", "max steps", "epochs",
+                                      "predicted peak"])
     assert_readable_layout(cell)
     rank, alpha, accum = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha"), slider(cell, "grad accum")
     assert (readout(rank), readout(alpha), readout(accum)) == ("16", "32", "2")
@@ -151,10 +169,10 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     seen = []
 
     def watch(state):  # while the cell runs: is a progress bar on the page during scoring?
-        seen.extend(nb.cell(training).locator(PROGRESS).all_inner_texts())
+        seen.extend(bar_texts(nb.cell(training)))
 
-    done = nb.run(training, timeout=600, watch=watch)
-    assert any("scoring the base model: 4 prompts" in s for s in seen), seen
+    done = nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch)
+    assert any("scoring the base model: 4 prompts" in s for s in seen), seen[-5:]
     text = "\n".join(o.get("text", "") for o in done["outputs"])
     assert "r=32 alpha=32" in text and "batch 2 x accum 4" in text
     assert "Paged optimizers are not supported" not in text  # said once, in our words, or not at all on a CPU
@@ -165,7 +183,7 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     expect(figure.locator("figcaption")).to_contain_text(f"step {steps},")
     alt = figure.locator("img").get_attribute("alt")
     assert f"{steps} (steps {', '.join(str(s) for s in range(1, steps + 1))})" in alt  # a point per step
-    bars = nb.cell(training).locator(PROGRESS).all_inner_texts()
+    bars = bar_texts(nb.cell(training))
     assert any("scoring the tuned model" in b and "100%" in b for b in bars), bars
 
     run_dir = project / "runs" / "ci" / "latest"
@@ -222,10 +240,10 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
     def watch(state):
         caption = nb.cell(training).locator("figcaption")
         if not interrupted and caption.count() and re.search(r"step [12],", caption.inner_text()):
-            page.locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()
+            nb.panel().locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()
             interrupted.append(True)
 
-    done = nb.run(training, timeout=600, watch=watch)
+    done = nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch)
     assert interrupted, "training finished before it could be interrupted"
     text = "\n".join(o.get("text", "") for o in done["outputs"])
     assert "interrupted at step" in text and "set RESUME = " in text, text[-2000:]
@@ -258,6 +276,28 @@ def test_04_rerun_shows_the_new_run(page, lab, project, screenshots):
     nb.close()
 
 
+def test_04_names_a_run_whose_steps_slowed_down(page, lab, project):
+    """A run whose step time rose 34% (350 -> 469 s) was once called "steady". Its numbers are written here as a
+    run folder, as train() writes them, and notebook 04 reads them from disk like any other run."""
+    from nb_helpers.runs import mark_latest
+
+    run = project / "runs" / "ci" / "20990101-000000_slowing-laptop_r8"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(ci_config().to_dict()))
+    times = [350.0] * 6 + [400.0] * 3 + [469.0] * 6
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "epoch": i / 15, "loss": 1.0 - 0.01 * i, "step_s": t}) + "\n"
+        for i, t in enumerate(times)))
+    mark_latest(run)
+    nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()
+    nb.run(nb.index_of("list_runs(root)\nassert"))
+    flags = "\n".join(o.get("text", "") for o in nb.run(nb.index_of("flag_problems("))["outputs"])
+    assert "step time rose 34%" in flags and "No problems flagged" not in flags, flags
+    assert nb.errors() == []
+    nb.save()
+    nb.close()
+
+
 @pytest.mark.parametrize("name", ["02_attach_lora.ipynb", "03_train.ipynb"])
 def test_reopened_notebook_shows_its_widgets_without_their_kernel(page, lab, screenshots, name):
     """JupyterLab saved the notebook with its outputs; the kernel that held the widgets is gone."""
@@ -270,4 +310,5 @@ def test_reopened_notebook_shows_its_widgets_without_their_kernel(page, lab, scr
     assert nb.errors() == []
     assert "Error displaying widget" not in page.locator(".jp-Notebook").inner_text()
     nb.screenshot(panel, screenshots / f"reopened_{name.replace('.ipynb', '.png')}")
+    nb.save()  # restoring the saved widget state marks it changed; saving keeps the close quiet
     nb.close()
