@@ -4,14 +4,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup run test test-unit test-notebooks lab env clean-notebooks
+TEST_STAMP := $(VENV)/.test-installed-stamp
+# JupyterLab reads every file in overrides.d: ours saves widget state with the notebook, so a reopened notebook
+# shows its sliders and panels instead of "Error displaying widget: model not found"
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
+
+.PHONY: setup run test test-unit test-notebooks test-browser lab env clean-notebooks
 
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
-$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml
+$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r $(if $(shell nvidia-smi -L 2>/dev/null),requirements-gpu.txt,requirements.txt)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	@mkdir -p $(dir $(LAB_SETTINGS)) && cp jupyter/qlora-course.json $(LAB_SETTINGS)
 	@touch $(STAMP)
+
+# Playwright for the browser suite; it drives the system's Chromium and never downloads a browser
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-test.txt
+	@touch $(TEST_STAMP)
 
 setup: $(STAMP)
 
@@ -19,11 +30,16 @@ setup: $(STAMP)
 run: setup
 	$(PY) -m nb_helpers course
 
-## make test: unit tests, then every notebook top to bottom in CI mode (NB_CI=1 shrinks them)
+## make test: unit tests and the browser suite, then every notebook top to bottom in CI mode (NB_CI=1 shrinks them)
 test: test-unit test-notebooks
 
-test-unit: setup
+# tests/ includes tests/browser; without Chromium it is skipped with one line saying how to enable it
+test-unit: $(TEST_STAMP)
 	$(PY) -m pytest tests
+
+## make test-browser: only the browser suite (JupyterLab in Chromium: notebooks 02-04 as a person uses them)
+test-browser: $(TEST_STAMP)
+	$(PY) -m pytest tests/browser -v
 
 test-notebooks: setup
 	NB_CI=1 $(PY) -m pytest --nbmake --nbmake-timeout=1800 notebooks

@@ -23,8 +23,9 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
     """Loss, device memory, time/step and eval loss against step, one line per run on shared axes.
 
     The figure is not registered with pyplot, so a notebook shows it once: as the cell's value, or through
-    display(fig). (A pyplot figure is shown by the backend too, so every plot appeared twice.)"""
-    fig = Figure(figsize=figsize)
+    display(fig). (A pyplot figure is shown by the backend too, so every plot appeared twice.) A notebook shows
+    it as an image with alt text that names the panels and every run in the legend (CourseFigure)."""
+    fig = CourseFigure(figsize=figsize)
     axes = fig.subplots(2, 2)
     for ax, (key, title) in zip(axes.flat, PANELS):
         drawn = False
@@ -34,7 +35,8 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
                 steps, values = _series(records, "host_rss_gib")
                 title = "host RSS (GiB; no GPU)"
             if values:
-                ax.plot(steps, values, marker="o" if key == "eval_loss" else None, markersize=3, label=name)
+                few = len(values) <= 30  # a marker per point while each step can still be told apart
+                ax.plot(steps, values, marker="o" if key == "eval_loss" or few else None, markersize=3, label=name)
                 drawn = True
         if key == "device_used_gib" and vram_limit_gib and drawn and title.startswith("device"):
             ax.axhline(vram_limit_gib, color="red", linestyle="--", linewidth=1, label=f"{vram_limit_gib} GiB")
@@ -51,11 +53,44 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
     if len(runs) > 1 and legend:
         fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=8)
     fig.tight_layout(rect=(0, 0.08 if len(runs) > 1 else 0, 1, 1))
+    points = {name: [r["step"] for r in records if r.get("loss") is not None] for name, records in runs.items()}
+    fig.alt = ("training panels against the optimizer step (" + ", ".join(ax.get_title() for ax in axes.flat)
+               + "); " + ("legend: " + ", ".join(t.get_text() for t in fig.legends[0].get_texts())
+                          if fig.legends else f"run: {', '.join(runs)}")
+               + "; train-loss points: " + "; ".join(f"{n}: {_steps_text(s)}" for n, s in points.items()))
     return fig
 
 
+def _steps_text(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{len(steps)} (steps {', '.join(map(str, steps))})" if len(steps) <= 40 else \
+        f"{len(steps)} (steps {steps[0]}-{steps[-1]})"
+
+
+class CourseFigure(Figure):
+    """A matplotlib Figure that a notebook shows as an HTML image with alt text and an optional caption line
+    under it (text, so it never collides with the panel titles). Exporters that skip HTML get the PNG."""
+
+    alt: str = ""
+    caption: str = ""
+
+    def _repr_html_(self) -> str:
+        import base64
+        import io
+        from html import escape
+
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png")
+        png = base64.b64encode(buffer.getvalue()).decode("ascii")
+        caption = f"<figcaption>{escape(self.caption)}</figcaption>" if self.caption else ""
+        return (f"<figure class='nb-figure' style='margin:0'><img style='max-width:100%' "
+                f"src='data:image/png;base64,{png}' alt='{escape(self.alt, quote=True)}'>{caption}</figure>")
+
+
 class LivePlot:
-    """Redraws the training panels in place every `every` steps while a notebook cell trains."""
+    """Redraws the training panels in place every `every` steps while a notebook cell trains, with a caption line
+    under the figure that gives the latest step, loss and time."""
 
     def __init__(self, name: str = "this run", every: int = 1):
         self.name, self.every, self.records, self._handle = name, every, [], None
@@ -67,12 +102,16 @@ class LivePlot:
         if "loss" in record and record["step"] % self.every:
             return
         fig = plot_training({self.name: self.records}, figsize=(9, 5))
-        last = [r for r in self.records if "loss" in r]
-        if last:
-            r = last[-1]
-            fig.suptitle(f"{self.name}: step {r['step']}, loss {r['loss']:.3f}, {r['step_s']:.2f} s/step", fontsize=10)
-            fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title above the panel titles
+        fig.caption = self.caption()
         if self._handle is None:
             self._handle = display(fig, display_id=True)
         else:
             self._handle.update(fig)
+
+    def caption(self) -> str:
+        steps = [r for r in self.records if "loss" in r]
+        if not steps:
+            return f"{self.name}: evaluating before the first step"
+        r = steps[-1]
+        return f"{self.name}: step {r['step']}, loss {r['loss']:.3f}" + \
+            (f", {r['step_s']:.2f} s/step" if r.get("step_s") is not None else "")

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from .config import RunConfig
+from .frontend import resume_hint
 from .metrics import read_metrics
 from .runs import write_jsonl
 
@@ -97,7 +98,7 @@ def checkpoint_on_interrupt(trainer, run_dir: Path) -> None:
     except Exception as e:  # never lose the run over a failed extra save
         print(f"[run] could not write a checkpoint on interrupt ({e}); the last periodic one is kept")
     print(f"[run] interrupted at step {trainer.state.global_step}: adapter saved as it is now; "
-          f"resume with `python -m nb_helpers train --resume {run_dir}`")
+          f"{resume_hint(run_dir)}")
 
 
 def release_trainer(trainer) -> None:

@@ -55,9 +55,22 @@ def score(prediction: str, reference: str) -> float:
     return hits / len(gold)
 
 
+class _TickEachToken:
+    """A logits processor that changes nothing: generate() calls it once per decoding step, which moves the bar."""
+
+    def __init__(self, bar):
+        self.bar, self.count = bar, 0
+
+    def __call__(self, input_ids, scores):
+        self.count += 1
+        self.bar.update(1)
+        return scores
+
+
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 80,
-             batch_size: int | None = None) -> list[str]:
-    """Greedy answers for a list of chat prompts, batched with left padding.
+             batch_size: int | None = None, label: str | None = None) -> list[str]:
+    """Greedy answers for a list of chat prompts, batched with left padding, with a progress bar per decoding
+    step where someone watches (nb_helpers.frontend): one batch on a CPU can take minutes.
 
     On a CPU every decoding step dequantizes every 4-bit weight, whatever the batch, so one batch of 64 costs
     little more than one of 16: 60 prompts took 38 s instead of 75 s on 2 AVX2 cores. A GPU keeps batches of 16,
@@ -67,33 +80,47 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     if batch_size is None:
         batch_size = 64 if model.device.type == "cpu" else 16
 
+    from transformers import LogitsProcessorList
+
+    from .frontend import progress_bar
+
+    batches = range(0, len(conversations), batch_size)
+    bar = progress_bar(len(batches) * max_new_tokens,
+                       f"{label or 'generating'}: {len(conversations)} prompt{'s' * (len(conversations) != 1)}")
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only models must see their prompt end right before generation
     was_training = model.training
     model.eval()
     answers = []
     try:
-        for start in range(0, len(conversations), batch_size):
+        for start in batches:
+            tick = _TickEachToken(bar) if bar is not None else None
             texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                      for c in conversations[start:start + batch_size]]
             batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             with torch.no_grad():
                 out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.pad_token_id)
+                                     pad_token_id=tokenizer.pad_token_id,
+                                     logits_processor=LogitsProcessorList([tick] if tick else []))
+            if tick is not None:
+                bar.update(max_new_tokens - tick.count)  # every answer ended early: the batch is done all the same
             new_tokens = out[:, batch["input_ids"].shape[1]:]
             answers += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)
+        if bar is not None:
+            bar.close()
     return answers
 
 
-def evaluate_task(model, tokenizer, rows: list[dict], max_new_tokens: int = 80) -> dict:
-    """Mean task score on `rows`, with every prediction kept for inspection."""
+def evaluate_task(model, tokenizer, rows: list[dict], max_new_tokens: int = 80,
+                  label: str = "scoring held-out prompts") -> dict:
+    """Mean task score on `rows`, with every prediction kept for inspection. `label` names the progress bar."""
     if not rows or "prompt" not in rows[0]:
         return {"metric": None, "score": None, "predictions": []}
     references = [answer_text(r) for r in rows]
-    predictions = generate(model, tokenizer, [prompt_messages(r) for r in rows], max_new_tokens)
+    predictions = generate(model, tokenizer, [prompt_messages(r) for r in rows], max_new_tokens, label=label)
     scores = [score(p, r) for p, r in zip(predictions, references)]
     return {
         "metric": metric_name(references[0]),

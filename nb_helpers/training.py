@@ -384,7 +384,8 @@ def evaluate_before(run: TrainingRun, trainer) -> dict:
     rank 0 alone scores the task; the eval loss is computed by all of them, each on its share of the rows."""
     if run.checkpoint is None:
         if run.task_rows and distributed.is_main():
-            run.base_answers = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens)
+            run.base_answers = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens,
+                                             label="scoring the base model")
             run.summary.update(task_metric=run.base_answers["metric"], task_base=run.base_answers["score"])
         distributed.wait()
         if run.eval_rows:
@@ -480,7 +481,8 @@ def evaluate_after(run: TrainingRun, trainer) -> None:
         already = evals and evals[-1]["step"] == trainer.state.global_step  # eval_steps hit the last step
         run.summary["eval_loss_after"] = evals[-1]["eval_loss"] if already else trainer.evaluate()["eval_loss"]
     if run.task_rows and distributed.is_main():
-        tuned = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens)
+        tuned = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens,
+                              label="scoring the tuned model")
         run.summary["task_tuned"] = tuned["score"]
         if run.base_answers is not None:
             write_jsonl(run.run_dir / "predictions.jsonl",

@@ -3,6 +3,7 @@ planner's predicted peak memory follows it live."""
 
 from __future__ import annotations
 
+import functools
 import html
 
 from .config import ConfigError, RunConfig
@@ -22,59 +23,140 @@ CONTROLS = {
     "gradient_checkpointing": ("bool", None, "gradient checkpointing"),
 }
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout")
-TRAIN_FIELDS = ("lora_r", "grad_accum", "micro_batch_size", "max_length", "gradient_checkpointing", "learning_rate",
-                "max_steps", "num_train_epochs")
+TRAIN_FIELDS = ("lora_r", "lora_alpha", "grad_accum", "micro_batch_size", "max_length", "gradient_checkpointing",
+                "learning_rate", "max_steps", "num_train_epochs")
+RECIPE_ALPHA_PER_RANK = 2  # the reference recipe's alpha = 2r: the update's scale alpha/r stays 2 whatever r is
+# Wide enough for the longest label and a slider track a mouse can aim at (the defaults cut labels, ~54 px tracks)
+LABEL_WIDTH, CONTROL_WIDTH = "190px", "560px"
 
 
 def _make(kind, options, description, value):
     import ipywidgets as w
 
-    style = {"description_width": "150px"}
+    style = {"description_width": LABEL_WIDTH}
+    layout = w.Layout(width=CONTROL_WIDTH)
+    common = dict(description=description, style=style, layout=layout)
     if kind == "select":
         options = [(f"{v:g}", v) for v in sorted(set(options) | {value})]  # (label, value): values stay exact
-        return w.SelectionSlider(options=options, value=value, description=description, style=style)
+        return w.SelectionSlider(options=options, value=value, **common)
     if kind == "float":
         lo, hi, step = options
-        return w.FloatSlider(value=value, min=lo, max=hi, step=step, description=description, style=style)
+        return w.FloatSlider(value=value, min=lo, max=hi, step=step, **common)
     if kind == "int":
-        return w.IntText(value=value, description=description, style=style)
+        return w.IntText(value=value, **common)
     if kind == "bool":
-        return w.Checkbox(value=bool(value), description=description, style=style)
-    return w.FloatText(value=value, description=description, style=style)
+        return w.Checkbox(value=bool(value), **common)
+    return w.FloatText(value=value, **common)
 
 
-def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None):
-    """A box of controls that write straight into `cfg`; `on_change(cfg)` runs after each valid change."""
+def _error_html(message: str) -> str:
+    return f"<div style='color:{OVER_COLOR};white-space:pre-wrap'><b>&#10008;</b> {html.escape(message)}</div>"
+
+
+def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error=None, targets=None,
+                   carry: bool = False):
+    """A box of controls that write straight into `cfg`, with a status line under them.
+
+    Every change is validated: a valid one updates `cfg`, the status line and `on_change(cfg)`; an invalid one
+    leaves `cfg` as it was and shows the reason in red (and passes it to `on_error(message)`). `targets` (the
+    model's linear layer names) adds a selector for `cfg.target_modules`. While alpha = 2r (the recipe), moving r
+    moves alpha with it; once you move alpha yourself, it stays where you put it. `carry=True` saves every valid
+    change for the next notebook (nb_helpers.course)."""
     import ipywidgets as w
 
     status = w.HTML()
+    state = {"alpha_follows": cfg.lora_alpha == RECIPE_ALPHA_PER_RANK * cfg.lora_r, "syncing": False}
+    controls: dict[str, object] = {}
+    saved_fields = [*fields, *(["target_modules"] if targets is not None else [])]
+    if "lora_r" in fields and "lora_alpha" not in saved_fields:
+        saved_fields.append("lora_alpha")  # it follows r, so it is a choice too
 
     def refresh():
+        follows = " (follows r: the recipe's alpha = 2r)" if state["alpha_follows"] else ""
         status.value = (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = {cfg.effective_batch} "
-                        f"sequences per optimizer step &nbsp;|&nbsp; {cfg.summary_line()}")
+                        f"sequences per optimizer step &nbsp;|&nbsp; <b>alpha/r</b> = {cfg.lora_alpha}/{cfg.lora_r} = "
+                        f"{cfg.lora_alpha / cfg.lora_r:g}{follows}<br>{html.escape(cfg.summary_line())}")
 
-    controls = []
+    def apply(changes: dict) -> None:
+        old = {name: getattr(cfg, name) for name in changes}
+        for name, value in changes.items():
+            setattr(cfg, name, value)
+        try:
+            cfg.validate()
+        except ConfigError as e:
+            for name, value in old.items():
+                setattr(cfg, name, value)
+            kept = ", ".join(f"{k}={v}" for k, v in old.items())
+            message = f"{e}\n(the config keeps {kept} until the choice is valid)"
+            status.value = _error_html(message)
+            if on_error:
+                on_error(message)
+            return
+        refresh()
+        if carry:
+            from .course import save_choices
+
+            save_choices(cfg, saved_fields)
+        if on_change:
+            on_change(cfg)
+
+    def changed(change, name):
+        if state["syncing"]:
+            return
+        value = change["new"]
+        if name == "target_modules":  # the config's order for the layers it keeps: a reselection changes nothing
+            value = [t for t in cfg.target_modules if t in value] + [t for t in value if t not in cfg.target_modules]
+        changes = {name: value}
+        if name == "lora_alpha":
+            state["alpha_follows"] = value == RECIPE_ALPHA_PER_RANK * cfg.lora_r
+        if name == "lora_r" and state["alpha_follows"]:
+            changes["lora_alpha"] = RECIPE_ALPHA_PER_RANK * value
+            if "lora_alpha" in controls:
+                state["syncing"] = True  # the alpha control shows the new value without counting as a user move
+                try:
+                    controls["lora_alpha"].value = changes["lora_alpha"]
+                finally:
+                    state["syncing"] = False
+        apply(changes)
+
     for name in fields:
         kind, options, description = CONTROLS[name]
-        control = _make(kind, options, description, getattr(cfg, name))
-
-        def changed(change, name=name):
-            old = getattr(cfg, name)
-            setattr(cfg, name, change["new"])
-            try:
-                cfg.validate()
-            except ConfigError as e:
-                setattr(cfg, name, old)
-                status.value = f"<span style='color:#b00'>{e}</span>"
-                return
-            refresh()
-            if on_change:
-                on_change(cfg)
-
-        control.observe(changed, names="value")
-        controls.append(control)
+        if name == "lora_alpha":  # every alpha that following r can reach is on the slider
+            ranks = set(CONTROLS["lora_r"][1]) | {cfg.lora_r}
+            options = sorted(set(options) | {RECIPE_ALPHA_PER_RANK * r for r in ranks})
+        controls[name] = _make(kind, options, description, getattr(cfg, name))
+    if targets is not None:
+        options = list(targets) + [t for t in cfg.target_modules if t not in targets]
+        controls["target_modules"] = w.SelectMultiple(
+            options=options, value=tuple(cfg.target_modules), rows=min(len(options), 8), description="targets",
+            style={"description_width": LABEL_WIDTH}, layout=w.Layout(width=CONTROL_WIDTH))
+    for name, control in controls.items():
+        control.observe(lambda change, name=name: changed(change, name), names="value")
     refresh()
-    return w.VBox(controls + [status])
+    return _panel_class()(list(controls.values()) + [status])
+
+
+@functools.cache
+def _panel_class():
+    import ipywidgets as w
+
+    class ConfigPanel(w.VBox):
+        """The controls and their status line; a static copy of both wherever no widget frontend runs."""
+
+        def _repr_mimebundle_(self, **kwargs):
+            *controls, status = self.children
+            rows = "".join(f"<tr><td style='padding-right:12px'>{html.escape(c.description)}</td>"
+                           f"<td>{html.escape(_shown(c))}</td></tr>" for c in controls)
+            text = "\n".join(f"{c.description}: {_shown(c)}" for c in controls)
+            return {**super()._repr_mimebundle_(**kwargs), "text/plain": text,
+                    "text/html": f"<table>{rows}</table><div>{status.value}</div>"}
+
+    return ConfigPanel
+
+
+def _shown(control) -> str:
+    value = control.value
+    return ", ".join(value) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # --- the planner's predicted peak, live -------------------------------------------------------------------------
@@ -142,6 +224,12 @@ class PlanView:
         self.plan = result
         self.widget.value = plan_html(result, source, self.device_note)
 
+    def show_error(self, message: str) -> None:
+        """Settings that cannot run (an empty target list, say): the reason instead of a prediction."""
+        self.plan = None
+        self.widget.value = (f"<div style='color:{OVER_COLOR};white-space:pre-wrap'><b>no prediction</b>: "
+                             f"{html.escape(message)}</div>")
+
     def _repr_mimebundle_(self, **kwargs):
         # The live widget where a widget frontend runs; a static copy of the HTML elsewhere (nbconvert, GitHub).
         return {**self.widget._repr_mimebundle_(**kwargs), "text/html": self.widget.value}
@@ -178,7 +266,7 @@ def plan_html(result, budget_source: str, device_note: str) -> str:
     notes = "".join(f"<div style='color:{OVER_COLOR}'>note: {html.escape(n)}</div>" for n in result.notes)
     name = f" of {html.escape(result.shape.name)}" if result.shape.name else ""
     grey = "<div style='color:#555'>"
-    return (f"<div style='font-size:0.95em'><div>{line}</div>"
+    return (f"<div style='font-size:0.95em;line-height:1.4'><div>{line}</div>"
             f"{grey}{html.escape(device_note)}, from the config.json{name} alone "
             "(<code>python -m nb_helpers plan</code> prints the same).</div>"
             f"{grey}budget {budget:.2f} GiB: {html.escape(budget_source)}.</div>{notes}"

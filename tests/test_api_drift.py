@@ -39,7 +39,7 @@ REMOVED_FROM_PRETRAINED = {"load_in_4bit", "load_in_8bit", "torch_dtype"}  # tra
 def call_name(node: ast.Call) -> str | None:
     f = node.func
     if isinstance(f, ast.Name):
-        return f.id
+        return None if f.id == "generate" else f.id  # a bare generate() is ours (task_metric); the model's is model.generate
     if isinstance(f, ast.Attribute):
         if f.attr == "from_pretrained" and isinstance(f.value, ast.Name) and f.value.id == "PeftModel":
             return "PeftModel.from_pretrained"

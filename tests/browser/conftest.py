@@ -1,0 +1,77 @@
+"""Fixtures of the browser suite: one scratch copy of the course, one JupyterLab server, one Chromium, shared by
+the whole flow (02 -> 03 -> 04 -> reopen), as a person walks it."""
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from lab import (CHROMIUM_FLAGS, REQUIRED_ENV, LabServer, chromium_path, copy_project,  # noqa: E402
+                 missing_requirement)
+
+from nb_helpers.config import PROJECT_ROOT  # noqa: E402
+
+SCREENSHOTS = PROJECT_ROOT / "runs" / "browser"  # runs/ is git-ignored
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = missing_requirement()
+    browser_items = [i for i in items if "tests/browser" in str(i.fspath).replace(os.sep, "/")]
+    if reason is None or not browser_items:
+        return
+    if os.environ.get(REQUIRED_ENV):
+        raise pytest.UsageError(f"{reason} ({REQUIRED_ENV} is set, so the suite must run)")
+    skip = pytest.mark.skip(reason=reason)
+    for item in browser_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def scratch():
+    """Not pytest's tmp_path: pytest prunes old basetemp folders at start-up, which another pytest session on the
+    same machine could do to this one's live server and kernels."""
+    folder = Path(tempfile.mkdtemp(prefix="nb-browser-"))
+    yield folder
+    log = folder / "jupyter" / "jupyter.log"
+    if log.exists():  # the server's log stays with the screenshots, for when something failed
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, SCREENSHOTS / "jupyter.log")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def project(scratch, embedded_dir):
+    """The course copied to a scratch folder: its runs/, carried config and saved notebooks stay there."""
+    return copy_project(scratch / "project")
+
+
+@pytest.fixture(scope="session")
+def lab(project, scratch):
+    server = LabServer(project, scratch / "jupyter")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def page(scratch):
+    from playwright.sync_api import sync_playwright
+
+    profile = scratch / "chromium-profile"  # a fresh --user-data-dir
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(str(profile), executable_path=chromium_path(),
+                                                       args=CHROMIUM_FLAGS, viewport={"width": 1400, "height": 1000})
+        context.set_default_timeout(60_000)
+        yield context.pages[0] if context.pages else context.new_page()
+        context.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def screenshots():
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    return SCREENSHOTS

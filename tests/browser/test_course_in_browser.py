@@ -1,0 +1,314 @@
+"""The course as a person uses it: JupyterLab in Chromium, notebooks 02 -> 03 -> 04 in CI mode, then reopened.
+
+One flow, in order (each test continues where the one before stopped, in the same server and browser): what is
+asserted is what the page shows, plus the files the notebooks wrote. Screenshots of each notebook's final state
+go to runs/browser/. `make test-browser` runs this alone; `make test` includes it."""
+
+import contextlib
+import io
+import json
+import os
+import re
+
+import pytest
+from lab import Notebook
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.browser
+
+PROGRESS = ".widget-hbox:has(.widget-hprogress)"  # tqdm's bar: label, bar, percentage and times
+TRAINING_TIMEOUT = 1800  # s: a hang detector, not a speed check (as nbmake's); CI-sized training takes ~1 min
+STATE: dict = {}  # what one step of the flow leaves for the next
+
+
+def bar_texts(cell) -> list[str]:
+    """The progress bars' text (tqdm draws spaces as U+2007 figure spaces, which keep its columns steady)."""
+    return [t.replace("\u2007", " ") for t in cell.locator(PROGRESS).all_inner_texts()]
+
+
+def slider(cell, label: str):
+    return cell.locator(".widget-slider", has_text=label)
+
+
+def move(page, control, steps: int) -> None:
+    """Keyboard, as a person without a mouse would: focus the handle, press an arrow key per step."""
+    control.locator(".noUi-handle").focus()
+    for _ in range(abs(steps)):
+        page.keyboard.press("ArrowRight" if steps > 0 else "ArrowLeft")
+
+
+def readout(control) -> str:
+    return control.locator(".widget-readout").inner_text().strip()
+
+
+def shown_peak(cell) -> float:
+    text = cell.locator(".widget-html", has_text="predicted peak").inner_text()
+    return float(re.search(r"predicted peak ([0-9.]+) GiB", text).group(1))
+
+
+def status_line(cell):
+    return cell.locator(".widget-html", has_text="alpha/r")
+
+
+def ci_config(**changes):
+    """This machine's CI-mode default config, as the notebooks' server computes it, with `changes` applied."""
+    from nb_helpers.config import default_config
+
+    saved = os.environ.get("NB_CI")
+    os.environ["NB_CI"] = "1"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return default_config(**changes)
+    finally:
+        os.environ.pop("NB_CI") if saved is None else os.environ.__setitem__("NB_CI", saved)
+
+
+def cli_plan_peak(cfg, model_dir) -> float:
+    """`python -m nb_helpers plan --json` in this process, for cfg's settings."""
+    from nb_helpers.cli import main
+
+    args = ["plan", "--model", str(model_dir), "--seq", cfg.max_length, "--batch", cfg.micro_batch_size,
+            "--accum", cfg.grad_accum, "--rank", cfg.lora_r, "--targets", ",".join(cfg.target_modules),
+            "--dropout", cfg.lora_dropout, "--optim", cfg.optim, "--json"]
+    if not cfg.gradient_checkpointing:
+        args.append("--no-gc")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(a) for a in args]) == 0
+    return json.loads(out.getvalue())["peak_gib"]
+
+
+def assert_controls_render(nb, cell, labels) -> None:
+    """Every control is drawn (a widget that stops rendering fails here, by name) and nothing shows an error."""
+    for label in labels:
+        expect(cell.locator(".jupyter-widgets", has_text=label).first, f"control {label!r} not shown") \
+            .to_be_visible(timeout=20_000)
+    assert nb.errors() == []
+
+
+def assert_readable_layout(cell) -> None:
+    """No label cut off, and slider tracks wide enough to aim at (they were ~54 px, labels ended in '…')."""
+    for label in cell.locator("label.widget-label").all():
+        text, scroll, client = label.evaluate("e => [e.textContent, e.scrollWidth, e.clientWidth]")
+        assert scroll <= client, f"label {text!r} is cut off ({scroll} px of text in {client} px)"
+    widths = [t.evaluate("e => e.getBoundingClientRect().width") for t in cell.locator(".slider-container").all()]
+    assert widths and min(widths) >= 200, f"slider tracks {widths} px wide: too narrow to aim at"
+
+
+def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, project, embedded_dir,
+                                                                       screenshots):
+    nb = Notebook(page, lab, "02_attach_lora.ipynb").open()
+    panel = nb.index_of("config_widgets(")
+    nb.run_all_from(0, panel + 1)
+    cell = nb.cell(panel)
+    expect(cell.locator(".widget-html", has_text="predicted peak")).to_be_visible()
+    assert_controls_render(nb, cell, ["LoRA rank r", "LoRA alpha", "LoRA dropout", "targets", "effective batch"])
+    assert_readable_layout(cell)
+
+    rank, alpha = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha")
+    assert (readout(rank), readout(alpha)) == ("8", "16")
+    before = shown_peak(cell)
+    assert before == pytest.approx(cli_plan_peak(ci_config(), embedded_dir), abs=0.005)
+    move(page, rank, +1)  # 8 -> 16
+    expect(status_line(cell)).to_contain_text("alpha/r = 32/16 = 2 (follows r")
+    assert readout(alpha) == "32"  # alpha followed r: the update's scale alpha/r stayed 2
+    after = shown_peak(cell)
+    assert after > before
+    assert after == pytest.approx(cli_plan_peak(ci_config(lora_r=16, lora_alpha=32), embedded_dir), abs=0.005)
+    carried = json.loads((project / "runs" / "ci" / "course-config.json").read_text())
+    assert (carried["lora_r"], carried["lora_alpha"]) == (16, 32)
+
+    targets = cell.locator(".widget-select-multiple select")
+    targets.select_option([])  # nothing selected: LoRA would attach nowhere
+    expect(status_line(cell).or_(cell.locator(".widget-html", has_text="target_modules is empty")).first) \
+        .to_contain_text("target_modules is empty")
+    expect(cell.locator(".widget-html", has_text="no prediction")).to_contain_text("target_modules is empty")
+    carried = json.loads((project / "runs" / "ci" / "course-config.json").read_text())
+    assert carried["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]  # refused: the file kept them
+    targets.select_option(["q_proj", "k_proj", "v_proj", "o_proj"])
+    expect(cell.locator(".widget-html", has_text="predicted peak")).to_contain_text(f"{after:.2f} GiB")
+
+    nb.run_all_from(panel + 1)
+    assert nb.errors() == []
+    nb.save()
+    nb.screenshot(panel, screenshots / "02_attach_lora.png")
+    nb.close()
+
+
+def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, screenshots):
+    nb = Notebook(page, lab, "03_train.ipynb").open()
+    panel = nb.index_of("config_widgets(")
+    nb.run_all_from(0, panel + 1)
+    setup = "\n".join(o.get("text", "") for o in nb.state(nb.index_of("course_config()"))["outputs"])
+    assert "carried from earlier notebooks" in setup and "lora_r=16" in setup  # notebook 02's choice arrived
+
+    cell = nb.cell(panel)
+    assert_controls_render(nb, cell, ["LoRA rank r", "LoRA alpha", "grad accum", "micro-batch", "max length",
+                                      "gradient checkpointing", "learning rate", "max steps", "epochs",
+                                      "predicted peak"])
+    assert_readable_layout(cell)
+    rank, alpha, accum = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha"), slider(cell, "grad accum")
+    assert (readout(rank), readout(alpha), readout(accum)) == ("16", "32", "2")
+    move(page, rank, +1)  # 16 -> 32, alpha follows to 64
+    expect(status_line(cell)).to_contain_text("alpha/r = 64/32 = 2")
+    move(page, alpha, -1)  # 64 -> 32: moved by hand, so it stops following r
+    expect(status_line(cell)).to_contain_text("alpha/r = 32/32 = 1")
+    move(page, accum, +1)  # 2 -> 4
+    expect(status_line(cell)).to_contain_text("batch 2 x accum 4")
+    expected = ci_config(lora_r=32, lora_alpha=32, grad_accum=4)
+
+    settings = nb.run(nb.index_of("sft_config(cfg"))
+    printed = dict(line.split(None, 1) for o in settings["outputs"] for line in o.get("text", "").splitlines()
+                   if line.strip())
+    assert printed["gradient_accumulation_steps"] == "4" and printed["per_device_train_batch_size"] == "2"
+    assert float(printed["learning_rate"]) == expected.learning_rate  # exact: no widget rounded it
+    assert printed["max_steps"] == str(expected.max_steps)
+
+    training = nb.index_of("LivePlot(")
+    nb.run_all_from(nb.index_of("before = memory_snapshot()"), training)
+    seen = []
+
+    def watch(state):  # while the cell runs: is a progress bar on the page during scoring?
+        seen.extend(bar_texts(nb.cell(training)))
+
+    done = nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch)
+    assert any("scoring the base model: 4 prompts" in s for s in seen), seen[-5:]
+    text = "\n".join(o.get("text", "") for o in done["outputs"])
+    assert "r=32 alpha=32" in text and "batch 2 x accum 4" in text
+    assert "Paged optimizers are not supported" not in text  # said once, in our words, or not at all on a CPU
+
+    figure = nb.cell(training).locator("figure.nb-figure")
+    expect(figure).to_have_count(1)
+    steps = expected.max_steps
+    expect(figure.locator("figcaption")).to_contain_text(f"step {steps},")
+    alt = figure.locator("img").get_attribute("alt")
+    assert f"{steps} (steps {', '.join(str(s) for s in range(1, steps + 1))})" in alt  # a point per step
+    bars = bar_texts(nb.cell(training))
+    assert any("scoring the tuned model" in b and "100%" in b for b in bars), bars
+
+    run_dir = project / "runs" / "ci" / "latest"
+    saved = json.loads((run_dir / "config.json").read_text())
+    differ = {k: (v, saved.get(k)) for k, v in expected.to_dict().items() if saved.get(k) != v}
+    assert differ == {}, f"the run's config.json differs from the sliders' settings: {differ}"
+    assert (saved["lora_r"], saved["lora_alpha"], saved["grad_accum"]) == (32, 32, 4)
+
+    nb.run_all_from(training + 1)
+    assert nb.errors() == []
+    final = "\n".join(o.get("text", "") for o in nb.state(nb.index_of('run.summary["status"]'))["outputs"])
+    assert "completed" in final
+    nb.save()
+    nb.screenshot(training, screenshots / "03_train.png")
+    STATE["first_run"] = run_dir.resolve().name
+    nb.close()
+
+
+def figures_in(nb, index):
+    return nb.cell(index).locator(".jp-OutputArea-output img")
+
+
+def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, screenshots):
+    from nb_helpers.runs import list_runs, load_run
+
+    nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()
+    nb.run_all_from(0)
+    assert nb.errors() == []
+    latest, compare = nb.index_of("plot_training({run.name"), nb.index_of("plot_training({r.label")
+    for index in (latest, compare):
+        expect(figures_in(nb, index)).to_have_count(1)  # shown once, not by the backend and again as the value
+    assert f"run: {STATE['first_run']}" in figures_in(nb, latest).get_attribute("alt")
+    runs = [load_run(p) for p in list_runs(project / "runs" / "ci")[-4:]]
+    legend_or_run = figures_in(nb, compare).get_attribute("alt")
+    assert all(r.label in legend_or_run for r in runs), (legend_or_run, [r.label for r in runs])
+    nb.save()
+    STATE["runs_before"] = len(runs)
+
+
+def test_03_interrupt_says_how_to_resume_here(page, lab, project):
+    """Stop the kernel mid-training: the run keeps its steps, and the notebook says to set RESUME (no bare
+    AssertionError, no CLI-only advice)."""
+    nb = Notebook(page, lab, "03_train.ipynb").open()
+    panel = nb.index_of("config_widgets(")
+    nb.run_all_from(0, panel + 1)
+    steps = nb.cell(panel).locator(".widget-inline-hbox", has_text="max steps").locator("input")
+    steps.fill("200")
+    steps.press("Enter")
+    expect(status_line(nb.cell(panel))).to_contain_text("max_steps=200")
+    training = nb.index_of("LivePlot(")
+    nb.run_all_from(nb.index_of("sft_config(cfg"), training)
+    interrupted = []
+
+    def watch(state):
+        caption = nb.cell(training).locator("figcaption")
+        if not interrupted and caption.count() and re.search(r"step [12],", caption.inner_text()):
+            nb.panel().locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()
+            interrupted.append(True)
+
+    done = nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch)
+    assert interrupted, "training finished before it could be interrupted"
+    text = "\n".join(o.get("text", "") for o in done["outputs"])
+    assert "interrupted at step" in text and "set RESUME = " in text, text[-2000:]
+    nb.run_all_from(training + 1)
+    assert nb.errors() == []
+    final = "\n".join(o.get("text", "") for o in nb.state(nb.index_of('run.summary["status"]'))["outputs"])
+    assert "interrupted" in final and "set RESUME = " in final, final
+    nb.save()
+    STATE["new_run"] = (project / "runs" / "ci" / "latest").resolve().name
+    nb.close()
+
+
+def test_04_rerun_shows_the_new_run(page, lab, project, screenshots):
+    from nb_helpers.runs import list_runs, load_run
+
+    nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()  # still open in its kernel: no setup re-run
+    latest, compare = nb.index_of("plot_training({run.name"), nb.index_of("plot_training({r.label")
+    nb.run(latest)
+    nb.run(compare)
+    expect(figures_in(nb, latest)).to_have_count(1)
+    expect(figures_in(nb, compare)).to_have_count(1)
+    assert f"run: {STATE['new_run']}" in figures_in(nb, latest).get_attribute("alt")
+    runs = [load_run(p) for p in list_runs(project / "runs" / "ci")[-4:]]
+    alt = figures_in(nb, compare).get_attribute("alt")
+    assert "legend: " in alt and all(r.label in alt for r in runs), (alt, [r.label for r in runs])
+    assert STATE["new_run"] in alt
+    assert nb.errors() == []
+    nb.save()
+    nb.screenshot(compare, screenshots / "04_metrics_analysis.png")
+    nb.close()
+
+
+def test_04_names_a_run_whose_steps_slowed_down(page, lab, project):
+    """A run whose step time rose 34% (350 -> 469 s) was once called "steady". Its numbers are written here as a
+    run folder, as train() writes them, and notebook 04 reads them from disk like any other run."""
+    from nb_helpers.runs import mark_latest
+
+    run = project / "runs" / "ci" / "20990101-000000_slowing-laptop_r8"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(ci_config().to_dict()))
+    times = [350.0] * 6 + [400.0] * 3 + [469.0] * 6
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "epoch": i / 15, "loss": 1.0 - 0.01 * i, "step_s": t}) + "\n"
+        for i, t in enumerate(times)))
+    mark_latest(run)
+    nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()
+    nb.run(nb.index_of("list_runs(root)\nassert"))
+    flags = "\n".join(o.get("text", "") for o in nb.run(nb.index_of("flag_problems("))["outputs"])
+    assert "step time rose 34%" in flags and "No problems flagged" not in flags, flags
+    assert nb.errors() == []
+    nb.save()
+    nb.close()
+
+
+@pytest.mark.parametrize("name", ["02_attach_lora.ipynb", "03_train.ipynb"])
+def test_reopened_notebook_shows_its_widgets_without_their_kernel(page, lab, screenshots, name):
+    """JupyterLab saved the notebook with its outputs; the kernel that held the widgets is gone."""
+    lab.shutdown_kernels()
+    nb = Notebook(page, lab, name).open()
+    panel = nb.index_of("config_widgets(")
+    cell = nb.cell(panel)
+    expect(cell.locator(".widget-html", has_text="predicted peak")).to_be_visible()
+    expect(slider(cell, "LoRA rank r")).to_be_visible()
+    assert nb.errors() == []
+    assert "Error displaying widget" not in page.locator(".jp-Notebook").inner_text()
+    nb.screenshot(panel, screenshots / f"reopened_{name.replace('.ipynb', '.png')}")
+    nb.save()  # restoring the saved widget state marks it changed; saving keeps the close quiet
+    nb.close()
