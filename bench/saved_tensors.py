@@ -34,10 +34,15 @@ def saved_bytes(layers: int, tokens: int) -> int:
     LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **DIMS)).to(torch.bfloat16).save_pretrained(folder)
     tokenizer = load_tokenizer(str(ensure_embedded_model(verbose=False)))
     tokenizer.save_pretrained(folder)
+    return step_saved_bytes(folder, tokenizer, tokens)
+
+
+def step_saved_bytes(folder: str, tokenizer, tokens: int, fast=None) -> int:
+    """Bytes of every distinct storage one real SFTTrainer training step saves for backward (GC off)."""
     cfg = RunConfig(model=folder, gradient_checkpointing=False, micro_batch_size=1, grad_accum=1, max_length=tokens,
                     max_steps=1, compute_dtype="bfloat16", runs_dir=tempfile.mkdtemp(), task_eval_samples=0,
                     eval_file=None)
-    model = attach_lora(load_4bit(cfg, ModelChoice(folder, "probe", "")), cfg)
+    model = attach_lora(load_4bit(cfg, ModelChoice(folder, "probe", "")), cfg, fast=fast)
     rows = [{"input_ids": torch.randint(100, 30000, (tokens,)).tolist()}]
     trainer = build_trainer(TrainingRun(cfg, tokenizer=tokenizer, train_rows=rows, model=model, run_dir=Path(cfg.runs_dir)))
     batch = next(iter(trainer.get_train_dataloader()))

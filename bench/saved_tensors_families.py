@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from families import build, tiny_config  # noqa: E402
 
 from nb_helpers.architecture import Shape  # noqa: E402
-from nb_helpers.config import RunConfig  # noqa: E402
 from nb_helpers.fastpath import FastOptions  # noqa: E402
-from nb_helpers.models import ModelChoice, ensure_embedded_model, load_4bit, load_tokenizer  # noqa: E402
+from nb_helpers.models import ensure_embedded_model, load_tokenizer  # noqa: E402
 from nb_helpers.planner import PlanInput, layer_activation_bytes_per_token, plan_targets  # noqa: E402
-from nb_helpers.training import attach_lora, build_trainer  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+from saved_tensors import step_saved_bytes  # noqa: E402
 
 WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
               max_position_embeddings=4096)
@@ -55,26 +55,8 @@ def saved_bytes(config: dict, tokenizer, tokens: int) -> int:
     torch.manual_seed(0)
     build(config, "cpu").to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    cfg = RunConfig(model=folder, gradient_checkpointing=False, micro_batch_size=1, grad_accum=1, max_length=tokens,
-                    max_steps=1, compute_dtype="bfloat16", runs_dir=tempfile.mkdtemp(), task_eval_samples=0,
-                    eval_file=None)
-    lean = FastOptions(lean=True, kernels=False, nomask=True, expandable=False)
-    model = attach_lora(load_4bit(cfg, ModelChoice(folder, "probe", "")), cfg, fast=lean)
-    rows = [{"input_ids": torch.randint(100, 30000, (tokens,)).tolist()}]
-    trainer, _ = build_trainer(cfg, model, tokenizer, rows, [], Path(cfg.runs_dir))
-    batch = next(iter(trainer.get_train_dataloader()))
-    storages = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        storages[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
-        return t
-
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.training_step(trainer.model, batch)
-    return sum(storages.values())
+    return step_saved_bytes(folder, tokenizer, tokens, fast=FastOptions(lean=True, kernels=False, nomask=True,
+                                                                       expandable=False))
 
 
 def main() -> None:
