@@ -155,6 +155,18 @@ JS_READY = """(name) => { if (!window.jupyterapp) return false; const panel = %s
 JS_SOURCES = """(name) => (%s).content.widgets.map(
   c => c.model.type === 'code' ? c.model.sharedModel.getSource() : '')""" % PANEL  # code cells only
 JS_ALL_OUTPUTS = "(name) => (%s).content.widgets.map(c => c.model.outputs ? c.model.outputs.toJSON() : [])" % PANEL
+JS_ASK = """async ([name, code]) => {  // like the console: runs in the notebook's kernel, adds no cell
+  const kernel = (%s).sessionContext.session.kernel, out = [];
+  const future = kernel.requestExecute({code, silent: false, store_history: false});
+  future.onIOPub = msg => {
+    const c = msg.content, t = msg.header.msg_type;
+    if (t === 'stream') out.push(c.text);
+    if (t === 'error') out.push(`${c.ename}: ${c.evalue}`);
+    if (t === 'execute_result') out.push(c.data['text/plain']);
+  };
+  await future.done;
+  return out.join('');
+}""" % PANEL
 JS_SAVE = """async (name) => { const panel = %s; await panel.context.save(); return panel.context.model.dirty; }
 """ % PANEL
 
@@ -229,6 +241,10 @@ class Notebook:
             if not found or time.time() > deadline or not all("Loading widget" in f for f in found):
                 return found
             time.sleep(0.5)
+
+    def ask(self, code: str) -> str:
+        """What `code` prints in the notebook's kernel, as typed into a console attached to it (no cell added)."""
+        return self.page.evaluate(JS_ASK, [self.name, code])
 
     def save(self) -> None:
         assert self.page.evaluate(JS_SAVE, self.name) is False, f"{self.name} still has unsaved changes"

@@ -135,11 +135,31 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     nb.close()
 
 
+# The trainer's settings that come from the sliders (SFTConfig name -> RunConfig field)
+TRAINER_KNOBS = {"per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
+                 "learning_rate": "learning_rate", "max_steps": "max_steps", "num_train_epochs": "num_train_epochs",
+                 "max_length": "max_length", "gradient_checkpointing": "gradient_checkpointing", "optim": "optim",
+                 "max_grad_norm": "max_grad_norm", "warmup_steps": "warmup_steps",
+                 "lr_scheduler_type": "lr_scheduler_type", "seed": "seed"}
+ASK_TRAINER = ("print(__import__('json').dumps({k: getattr(v, 'value', v) for k, v in vars(trainer.args).items() "
+               f"if k in {sorted(TRAINER_KNOBS)!r}}}))")
+
+
+def outputs_text(nb, index) -> str:
+    return "\n".join(o.get("text", "") for o in nb.state(index)["outputs"])
+
+
+def live_figure(nb):
+    """The live plot: LivePlot shows one figure the first time a record arrives (the eval loss measured before
+    training, in the starting-point cell) and redraws that same output in place at every step."""
+    return nb.panel().locator("figure.nb-figure")
+
+
 def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, screenshots):
     nb = Notebook(page, lab, "03_train.ipynb").open()
     panel = nb.index_of("config_widgets(")
     nb.run_all_from(0, panel + 1)
-    setup = "\n".join(o.get("text", "") for o in nb.state(nb.index_of("course_config()"))["outputs"])
+    setup = outputs_text(nb, nb.index_of("course_config()"))
     assert "carried from earlier notebooks" in setup and "lora_r=16" in setup  # notebook 02's choice arrived
 
     cell = nb.cell(panel)
@@ -157,34 +177,42 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     expect(status_line(cell)).to_contain_text("batch 2 x accum 4")
     expected = ci_config(lora_r=32, lora_alpha=32, grad_accum=4)
 
-    settings = nb.run(nb.index_of("sft_config(cfg"))
-    printed = dict(line.split(None, 1) for o in settings["outputs"] for line in o.get("text", "").splitlines()
-                   if line.strip())
-    assert printed["gradient_accumulation_steps"] == "4" and printed["per_device_train_batch_size"] == "2"
-    assert float(printed["learning_rate"]) == expected.learning_rate  # exact: no widget rounded it
-    assert printed["max_steps"] == str(expected.max_steps)
+    prepare, trainer_cell = nb.index_of("RESUME = None"), nb.index_of("trainer = SFTTrainer(")
+    nb.run_all_from(panel + 1, trainer_cell + 1)  # the data section, prepare + load, SFTConfig, SFTTrainer
+    loaded = outputs_text(nb, prepare)
+    assert "r=32 alpha=32" in loaded and "batch 2 x accum 4" in loaded, loaded
+    held = json.loads(nb.ask(ASK_TRAINER))  # what the trainer holds, asked as from a console on this kernel
+    assert held == {k: getattr(expected, field) for k, field in TRAINER_KNOBS.items()}  # exact: no widget rounded
+    assert (held["gradient_accumulation_steps"], held["per_device_train_batch_size"]) == (4, 2)
 
-    training = nb.index_of("LivePlot(")
-    nb.run_all_from(nb.index_of("before = memory_snapshot()"), training)
+    def watcher(index, seen):
+        def watch(state):  # while the cell runs: is a progress bar on the page?
+            seen.extend(bar_texts(nb.cell(index)))
+        return watch
+
+    before, training, finish = (nb.index_of("evaluate_before("), nb.index_of("trainer.train("),
+                                nb.index_of("finish_run("))
     seen = []
-
-    def watch(state):  # while the cell runs: is a progress bar on the page during scoring?
-        seen.extend(bar_texts(nb.cell(training)))
-
-    done = nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch)
+    nb.run(before, timeout=TRAINING_TIMEOUT, watch=watcher(before, seen))
     assert any("scoring the base model: 4 prompts" in s for s in seen), seen[-5:]
-    text = "\n".join(o.get("text", "") for o in done["outputs"])
-    assert "r=32 alpha=32" in text and "batch 2 x accum 4" in text
-    assert "Paged optimizers are not supported" not in text  # said once, in our words, or not at all on a CPU
+    captions = []
+    nb.run(training, timeout=TRAINING_TIMEOUT, watch=lambda state: captions.extend(
+        live_figure(nb).locator("figcaption").all_inner_texts()))
+    assert "Paged optimizers are not supported" not in "\n".join(  # said once, in our words, or not at all on a CPU
+        outputs_text(nb, i) for i in range(prepare, training + 1))
 
-    figure = nb.cell(training).locator("figure.nb-figure")
-    expect(figure).to_have_count(1)
+    figure = live_figure(nb)
+    expect(figure).to_have_count(1)  # one live plot, redrawn in place, not one figure per step
     steps = expected.max_steps
     expect(figure.locator("figcaption")).to_contain_text(f"step {steps},")
+    assert any(f"step {s}," in c for c in captions for s in range(1, steps)), captions  # it moved while training
     alt = figure.locator("img").get_attribute("alt")
     assert f"{steps} (steps {', '.join(str(s) for s in range(1, steps + 1))})" in alt  # a point per step
-    bars = bar_texts(nb.cell(training))
-    assert any("scoring the tuned model" in b and "100%" in b for b in bars), bars
+
+    seen = []
+    nb.run(finish, timeout=TRAINING_TIMEOUT, watch=watcher(finish, seen))
+    bars = seen + bar_texts(nb.cell(finish))
+    assert any("scoring the tuned model" in b and "100%" in b for b in bars), bars[-5:]
 
     run_dir = project / "runs" / "ci" / "latest"
     saved = json.loads((run_dir / "config.json").read_text())
@@ -192,12 +220,12 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     assert differ == {}, f"the run's config.json differs from the sliders' settings: {differ}"
     assert (saved["lora_r"], saved["lora_alpha"], saved["grad_accum"]) == (32, 32, 4)
 
-    nb.run_all_from(training + 1)
+    nb.run_all_from(finish + 1)
     assert nb.errors() == []
-    final = "\n".join(o.get("text", "") for o in nb.state(nb.index_of('run.summary["status"]'))["outputs"])
+    final = outputs_text(nb, nb.index_of('saved.summary["status"]'))
     assert "completed" in final
     nb.save()
-    nb.screenshot(training, screenshots / "03_train.png")
+    nb.screenshot(before, screenshots / "03_train.png")
     STATE["first_run"] = run_dir.resolve().name
     nb.close()
 
@@ -233,13 +261,13 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
     steps.fill("200")
     steps.press("Enter")
     expect(status_line(nb.cell(panel))).to_contain_text("max_steps=200")
-    training = nb.index_of("LivePlot(")
-    nb.run_all_from(nb.index_of("sft_config(cfg"), training)
+    training = nb.index_of("trainer.train(")
+    nb.run_all_from(nb.index_of("RESUME = None"), training)  # prepare, settings, trainer, the base model's scores
     interrupted = []
 
     def watch(state):
-        caption = nb.cell(training).locator("figcaption")
-        if not interrupted and caption.count() and re.search(r"step [12],", caption.inner_text()):
+        caption = live_figure(nb).locator("figcaption")
+        if not interrupted and caption.count() and re.search(r"step \d+,", caption.inner_text()):
             nb.panel().locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()
             interrupted.append(True)
 
@@ -249,7 +277,7 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
     assert "interrupted at step" in text and "set RESUME = " in text, text[-2000:]
     nb.run_all_from(training + 1)
     assert nb.errors() == []
-    final = "\n".join(o.get("text", "") for o in nb.state(nb.index_of('run.summary["status"]'))["outputs"])
+    final = outputs_text(nb, nb.index_of('saved.summary["status"]'))
     assert "interrupted" in final and "set RESUME = " in final, final
     nb.save()
     STATE["new_run"] = (project / "runs" / "ci" / "latest").resolve().name
