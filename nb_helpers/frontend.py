@@ -32,6 +32,6 @@ def progress_bar(total: int, description: str):
 def resume_hint(run_dir: Path) -> str:
     """How to continue an interrupted run, in the terms of where it ran."""
     if in_notebook():
-        return (f"to continue, set RESUME = {str(run_dir)!r} in notebook 03's training cell and run that cell again "
-                "(or from a terminal: `python -m nb_helpers train --resume RUN_DIR`)")
+        return (f"to continue, set RESUME = {str(run_dir)!r} in notebook 03's \"Check first, then load\" cell and run "
+                "the notebook from there (or from a terminal: `python -m nb_helpers train --resume RUN_DIR`)")
     return f"resume with `python -m nb_helpers train --resume {run_dir}`"
