@@ -107,19 +107,14 @@ def install(model) -> int:
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
+    # a LoRA layer calls its base layer itself, and the fused LoRA function replaces that call: leave those alone
+    wrapped = {id(m.get_base_layer()) for m in model.modules() if isinstance(m, LoraLayer)}
     patched = 0
     for module in model.modules():
         if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), bnb.nn.Linear4bit):
             module.forward = types.MethodType(_lora_forward, module)
             patched += 1
-        elif isinstance(module, bnb.nn.Linear4bit) and not _wrapped_by_lora(model, module):
+        elif isinstance(module, bnb.nn.Linear4bit) and id(module) not in wrapped:
             module.forward = types.MethodType(_frozen_forward, module)
             patched += 1
     return patched
-
-
-def _wrapped_by_lora(model, layer) -> bool:
-    """A LoRA layer calls its base layer itself; the fused LoRA function replaces that call, so leave it alone."""
-    from peft.tuners.lora import LoraLayer
-
-    return any(isinstance(m, LoraLayer) and m.get_base_layer() is layer for m in model.modules())
