@@ -65,6 +65,13 @@ def tiny_run_config(model_dir, runs_dir):
                      save_steps=2, runs_dir=str(runs_dir), learning_rate=1e-3)
 
 
+@pytest.fixture(scope="session")
+def make_tiny_config():
+    """tiny_run_config for fixtures of any scope. A fixture, not `from conftest import`: tests/browser has its own
+    conftest.py, and under a whole-suite run the name `conftest` may be that one."""
+    return tiny_run_config
+
+
 @pytest.fixture
 def tiny_cfg(tiny_model_dir, tmp_path):
     return tiny_run_config(tiny_model_dir, tmp_path / "runs")

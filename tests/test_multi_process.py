@@ -175,13 +175,11 @@ def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_model_dir, tmp_path_factory):
+def launched(tiny_model_dir, tmp_path_factory, make_tiny_config):
     """Three steps on two processes: global batch 4 = micro 2 x accum 2 in config.json, 2 x 1 on each process.
     No LoRA dropout: each process draws its own masks, which would part the losses from one process's."""
-    from conftest import tiny_run_config
-
     work = tmp_path_factory.mktemp("multi")
-    cfg = tiny_run_config(tiny_model_dir, work / "runs").replace(micro_batch_size=2, grad_accum=2, lora_dropout=0.0)
+    cfg = make_tiny_config(tiny_model_dir, work / "runs").replace(micro_batch_size=2, grad_accum=2, lora_dropout=0.0)
     cfg.save(work / "config.json")
     proc = launch(["train", "--config", str(work / "config.json")], cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
