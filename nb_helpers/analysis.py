@@ -42,14 +42,16 @@ def step_time_drift(steps: list[dict]) -> tuple[float, float, float] | None:
 
 
 def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
-    """Plain-language warnings: memory over the card's budget, and time spikes that suggest spill or throttling."""
+    """Plain-language warnings: memory over the card's budget, step-time spikes and drift (another program, or a
+    laptop throttling), and a loss that went up."""
     steps = [r for r in records if "loss" in r]
     flags = []
     over = [r for r in steps if (r.get("device_used_gib") or 0) > vram_warn_gib]
     if over:
         worst = max(over, key=lambda r: r["device_used_gib"])
         flags.append(f"VRAM above {vram_warn_gib} GiB on {len(over)} step(s) (worst {worst['device_used_gib']:.2f} GiB "
-                     f"at step {worst['step']}): on a 4 GB card this spills or OOMs. Lower max_length or "
+                     f"at step {worst['step']}): a 4 GB card has under 0.1 GiB left, and one longer batch runs out "
+                     "of memory. Lower max_length or "
                      "micro_batch_size (raise grad_accum to keep the effective batch), or keep gradient checkpointing on.")
     typical = median(r.get("step_s") for r in steps[3:] or steps)
     if typical:

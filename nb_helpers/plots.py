@@ -90,7 +90,9 @@ class CourseFigure(Figure):
 
 class LivePlot:
     """Redraws the training panels in place every `every` steps while a notebook cell trains, with a caption line
-    under the figure that gives the latest step, loss and time."""
+    under the figure that gives the latest step, loss and time. Records that come before the first step (the eval
+    loss measured before training) wait for it, so the figure appears in the cell that trains, not in an earlier
+    one the learner has scrolled past."""
 
     def __init__(self, name: str = "this run", every: int = 1):
         self.name, self.every, self.records, self._handle = name, every, [], None
@@ -99,7 +101,8 @@ class LivePlot:
         from IPython.display import display
 
         self.records.append(record)
-        if "loss" in record and record["step"] % self.every:
+        steps = [r for r in self.records if "loss" in r]
+        if not steps or ("loss" in record and record["step"] % self.every and len(steps) > 1):
             return
         fig = plot_training({self.name: self.records}, figsize=(9, 5))
         fig.caption = self.caption()
@@ -109,9 +112,6 @@ class LivePlot:
             self._handle.update(fig)
 
     def caption(self) -> str:
-        steps = [r for r in self.records if "loss" in r]
-        if not steps:
-            return f"{self.name}: evaluating before the first step"
-        r = steps[-1]
+        r = [r for r in self.records if "loss" in r][-1]
         return f"{self.name}: step {r['step']}, loss {r['loss']:.3f}" + \
             (f", {r['step_s']:.2f} s/step" if r.get("step_s") is not None else "")

@@ -127,12 +127,17 @@ def test_live_plot_caption_and_a_point_per_step(monkeypatch):
     live({"step": 0, "eval_loss": 1.0})
     for step in (1, 2, 3):
         live({"step": step, "loss": 2.0 / step, "step_s": 1.5})
-    assert len(shown) == 4  # the evaluation before training, then once per step
+    assert len(shown) == 3  # once per step: the evaluation before training waits for the first step's cell
     html = shown[-1]._repr_html_()
     assert html.count("<img") == 1 and "data:image/png;base64," in html
     assert "<figcaption>this run: step 3, loss 0.667, 1.50 s/step</figcaption>" in html
     assert "train-loss points: this run: 3 (steps 1, 2, 3)" in shown[-1].alt
-    assert shown[0].caption == "this run: evaluating before the first step"
+    eval_panel = [ax for ax in shown[0].axes if ax.get_title().startswith("eval loss")][0]
+    assert list(eval_panel.lines[0].get_xdata()) == [0]  # the starting point is drawn with the first step
+    every_fifth = LivePlot(name="this run", every=5)
+    for step in range(1, 11):
+        every_fifth({"step": step, "loss": 1.0})
+    assert len(shown) == 3 + 3  # the first step (so the figure is there at once), then steps 5 and 10
 
 
 def test_progress_bar_only_where_someone_watches(monkeypatch):

@@ -150,8 +150,8 @@ def outputs_text(nb, index) -> str:
 
 
 def live_figure(nb):
-    """The live plot: LivePlot shows one figure the first time a record arrives (the eval loss measured before
-    training, in the starting-point cell) and redraws that same output in place at every step."""
+    """The live plot: LivePlot shows one figure at the first training step, in the training cell (the eval loss
+    measured before training waits for it), and redraws that same output in place at every step."""
     return nb.panel().locator("figure.nb-figure")
 
 
