@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import PROJECT_ROOT, ConfigError, RunConfig, default_config
+from .config import COURSE_CARD_GIB, PROJECT_ROOT, ConfigError, RunConfig, default_config
 
 
 def _parse_value(text: str):
@@ -87,9 +87,6 @@ def plan_config(args) -> RunConfig:
         changes["double_quant"] = False
     cfg = _apply_sets(RunConfig.from_dict({**cfg.to_dict(), **changes}), args.set)
     return cfg if cfg.budget_gib is not None else cfg.replace(budget_gib=COURSE_CARD_GIB)
-
-
-COURSE_CARD_GIB = 4.0  # `plan`'s budget when neither --budget nor the config sets one: the card this course targets
 
 
 def cmd_plan(args) -> int:

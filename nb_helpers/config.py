@@ -22,6 +22,7 @@ CONFIG_ENV_VAR = "NB_CONFIG"
 
 REFERENCE_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+COURSE_CARD_GIB = 4.0  # the card this course targets (GTX 1650 / RTX 3050 class), CUDA context included
 OPTIMIZERS = {"paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused", "sgd"}
 COMPUTE_DTYPES = {"auto", "bfloat16", "float16", "float32"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import html
 
-from .config import ConfigError, RunConfig
+from .config import COURSE_CARD_GIB, ConfigError, RunConfig
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -160,7 +160,6 @@ def _shown(control) -> str:
 
 
 # --- the planner's predicted peak, live -------------------------------------------------------------------------
-COURSE_CARD_GIB = 4.0  # the card this course targets (GTX 1650 / RTX 3050 class), CUDA context included
 FITS_COLOR, OVER_COLOR = "#080", "#b00"
 
 
@@ -224,6 +223,11 @@ class PlanView:
         self.plan = result
         self.widget.value = plan_html(result, source, self.device_note)
 
+    def set_shape(self, shape, cfg: RunConfig) -> None:
+        """Plan another model (a Shape from load_shape) with the same knobs."""
+        self.shape, self.shape_error = shape, None
+        self.update(cfg)
+
     def show_error(self, message: str) -> None:
         """Settings that cannot run (an empty target list, say): the reason instead of a prediction."""
         self.plan = None
@@ -286,3 +290,20 @@ def plan_widget(cfg: RunConfig, shape, budget_gib: float | None = None, context_
         display(config_widgets(cfg, fields=TRAIN_FIELDS, on_change=view.update), view)
     """
     return PlanView(cfg, shape, budget_gib=budget_gib, context_gib=context_gib)
+
+
+def family_plan_widget(cfg: RunConfig, start: str | None = None, budget_gib: float | None = None):
+    """A model choice over every shape in bench/shapes/ (no download) and the planner's panel for the chosen one,
+    with cfg's knobs; LoRA targets are translated to each family's layer names (Phi's qkv_proj, say)."""
+    import ipywidgets as w
+
+    from .planner import known_shapes, load_shape, shapes_dir
+
+    names = known_shapes()
+    choice = w.Dropdown(options=[(f"{name}: {about}", name) for name, about in names.items()],
+                        value=start if start in names else next(iter(names)), description="model",
+                        layout=w.Layout(width="100%"), style={"description_width": "60px"})
+    view = PlanView(cfg, load_shape(str(shapes_dir() / f"{choice.value}.json")), budget_gib=budget_gib)
+    choice.observe(lambda change: view.set_shape(load_shape(str(shapes_dir() / f"{change['new']}.json")), cfg),
+                   names="value")
+    return w.VBox([choice, view.widget]), choice, view

@@ -1,0 +1,61 @@
+"""Which model fits, and how long a row (nb_helpers.reach), and notebook 02's model choice (family_plan_widget)."""
+from dataclasses import replace
+
+import pytest
+
+from nb_helpers.config import RunConfig
+from nb_helpers.planner import known_shapes, plan, plan_for_family
+from nb_helpers.reach import ROW_STEP, fit_markdown, fit_table, longest_row
+
+RECIPE = RunConfig()  # the GPU recipe: 1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o
+
+
+@pytest.fixture(scope="module")
+def table():
+    return fit_table(RECIPE, 4.0, context_gib=0.3)
+
+
+def test_one_row_per_shipped_shape_smallest_first_with_the_plan_of_that_family(table):
+    assert sorted(r.name for r in table) == sorted(known_shapes())
+    assert [r.params_b for r in table] == sorted(r.params_b for r in table)
+    qwen = next(r for r in table if r.name == "qwen3-4b")
+    assert qwen.peak_gib == pytest.approx(plan_for_family(RECIPE, "qwen3-4b", context_gib=0.3).peak_gib)
+    assert 3.9 < qwen.params_b < 4.1
+    assert qwen.offload_peak_gib < qwen.peak_gib  # offload moves checkpoints off the card
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "gemma3-1b", "phi-4-mini"])
+def test_longest_row_fits_and_one_step_more_does_not(name):
+    planned = plan_for_family(RECIPE, name, context_gib=0.3)
+    longest = longest_row(planned, 4.0)
+    assert longest > 0 and longest % ROW_STEP == 0
+    at = replace(planned.inputs, batch=1, offload=True)
+    assert plan(planned.shape, replace(at, seq=longest)).peak_gib <= 4.0
+    if longest < planned.shape.max_positions:
+        assert plan(planned.shape, replace(at, seq=longest + ROW_STEP)).peak_gib > 4.0
+
+
+def test_longest_row_stops_at_the_models_own_limit_and_a_tiny_budget_fits_nothing(table):
+    tiny = next(r for r in table if r.name == "tinyllama-1.1b")
+    assert tiny.longest_row == tiny.max_positions == 2048  # TinyLlama's config.json: 2,048 positions
+    assert "2,048 (the model's limit)" in fit_markdown(table, 512, "1 x 8")
+    assert longest_row(plan_for_family(RECIPE, "qwen3-4b", context_gib=0.3), 1.0) == 0
+
+
+def test_lora_targets_are_translated_per_family(table):
+    phi = plan_for_family(RECIPE, "phi-4-mini", context_gib=0.3)
+    assert phi.inputs.targets == ("qkv_proj", "o_proj")  # q,k,v live in Phi's one fused projection
+    row = next(r for r in table if r.name == "phi-4-mini")
+    assert row.peak_gib == pytest.approx(phi.peak_gib)
+
+
+def test_model_choice_replans_with_the_same_knobs():
+    from nb_helpers.widgets import family_plan_widget
+
+    cfg = RECIPE.replace(lora_r=16, lora_alpha=32)
+    box, choice, view = family_plan_widget(cfg, start="qwen3-1.7b", budget_gib=4.0)
+    assert view.plan.shape.name == "qwen3-1.7b" and view.plan.inputs.rank == 16
+    choice.value = "qwen3-4b"
+    assert view.plan.shape.name == "qwen3-4b" and view.plan.inputs.rank == 16
+    assert view.plan.peak_gib == pytest.approx(plan_for_family(cfg, "qwen3-4b").peak_gib)
+    assert "qwen3-4b" in view.widget.value and "fits" in view.widget.value
