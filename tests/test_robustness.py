@@ -183,9 +183,11 @@ def test_nan_keeps_the_last_good_adapter(tiny_cfg, capsys):
     run_dir = train(tiny_cfg.replace(max_steps=5, task_eval_samples=0), listeners=[poison_step_2], verbose=False)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "stopped: non-finite loss or gradient at step 2" and summary["adapter_step"] == 1
+    assert summary["steps"] == 2  # stopped within the step, not at max_steps
     weights = load_file(run_dir / "adapter" / "adapter_model.safetensors")
     assert weights and all(torch.isfinite(w).all() for w in weights.values())
-    assert "adapter/ holds the last good weights, from step 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "adapter/ holds the last good weights, from step 1" in out and "lower learning_rate" in out
 
 
 def test_a_full_disk_leaves_the_previous_adapter_intact(shared_run):

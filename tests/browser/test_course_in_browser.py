@@ -128,7 +128,21 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     targets.select_option(["q_proj", "k_proj", "v_proj", "o_proj"])
     expect(cell.locator(".widget-html", has_text="predicted peak")).to_contain_text(f"{after:.2f} GiB")
 
-    nb.run_all_from(panel + 1)
+    family = nb.index_of("family_plan_widget(")  # which other models fit: a model choice with its breakdown
+    nb.run_all_from(panel + 1, family + 1)
+    family_cell = nb.cell(family)
+    assert_controls_render(nb, family_cell, ["model", "predicted peak"])
+    from nb_helpers.config import RunConfig
+    from nb_helpers.planner import known_shapes, plan_for_family
+
+    family_cell.locator(".widget-dropdown select").select_option(label=f"qwen3-4b: {known_shapes()['qwen3-4b']}")
+    recipe = RunConfig(lora_r=16, lora_alpha=32, lora_dropout=ci_config().lora_dropout)  # the GPU recipe, r=16 chosen
+    expected = plan_for_family(recipe, "qwen3-4b").peak_gib
+    expect(family_cell.locator(".widget-html", has_text="predicted peak")).to_contain_text(
+        f"predicted peak {expected:.2f} GiB")
+    expect(family_cell.locator(".widget-html", has_text="predicted peak")).to_contain_text("of qwen3-4b")
+
+    nb.run_all_from(family + 1)
     assert nb.errors() == []
     nb.save()
     nb.screenshot(panel, screenshots / "02_attach_lora.png")
