@@ -486,7 +486,11 @@ def shapes_dir():
 def known_shapes() -> dict[str, str]:
     """name -> one line about it, for every public model whose config.json ships in bench/shapes/ (Qwen3, Gemma 3,
     Llama-3.2, Phi-4-mini, ...): the choices of a model-family widget. No download, no weights."""
-    return {path.stem: load_shape(str(path)).describe() for path in sorted(shapes_dir().glob("*.json"))}
+    paths = sorted(shapes_dir().glob("*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no model shapes in {shapes_dir()}: they ship with the course (git checkout of "
+                                "bench/shapes/); a copy of nb_helpers alone lacks them")
+    return {path.stem: load_shape(str(path)).describe() for path in paths}
 
 
 def plan_for_family(cfg, name: str, context_gib: float | None = None,

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from lab import (CHROMIUM_FLAGS, REQUIRED_ENV, LabServer, chromium_path, copy_project,  # noqa: E402
-                 missing_requirement)
+                 discard_open_notebooks, missing_requirement)
 
 from nb_helpers.config import PROJECT_ROOT  # noqa: E402
 
@@ -75,3 +75,12 @@ def page(scratch):
 def screenshots():
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     return SCREENSHOTS
+
+
+@pytest.fixture(autouse=True)
+def one_failure_stays_one(request):
+    """A test that fails half-way leaves its notebook open with unsaved changes, and the next test's close() would
+    wait on the "save your work?" dialog: close it unsaved, so the next test starts from what is on disk."""
+    yield
+    if "page" in request.fixturenames:
+        discard_open_notebooks(request.getfixturevalue("page"))

@@ -49,7 +49,7 @@ def missing_requirement() -> str | None:
 
 def copy_project(dest: Path) -> Path:
     """The course in a scratch folder, so runs/, the carried config and saved notebooks never touch the real one."""
-    for name in ("nb_helpers", "notebooks", "data", "jupyter"):
+    for name in ("nb_helpers", "notebooks", "data", "jupyter", "bench/shapes"):  # bench/shapes: notebook 02's models
         shutil.copytree(PROJECT_ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_*"))
     shutil.copy(PROJECT_ROOT / "pyproject.toml", dest / "pyproject.toml")
     cache = PROJECT_ROOT / ".cache"
@@ -169,6 +169,13 @@ JS_ASK = """async ([name, code]) => {  // like the console: runs in the notebook
 }""" % PANEL
 JS_SAVE = """async (name) => { const panel = %s; await panel.context.save(); return panel.context.model.dirty; }
 """ % PANEL
+
+
+def discard_open_notebooks(page) -> None:
+    """Close every open notebook without saving and without JupyterLab's "save your work?" dialog."""
+    if page.url.startswith("http") and page.evaluate("() => !!window.jupyterapp"):
+        page.evaluate("() => { for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) "
+                      "{ if (w.context) { w.context.model.dirty = false; w.dispose(); } } }")
 
 
 class Notebook:
