@@ -173,6 +173,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, kind: str = "f16") -
     config = _llama_config(model_dir)
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind]
     heads = config["num_attention_heads"]
+    out_path.parent.mkdir(parents=True, exist_ok=True)  # runs/<run>/gguf/ does not exist before the first export
     writer = gguf.GGUFWriter(str(out_path), "llama")
     writer.add_name(model_dir.name)
     writer.add_vocab_size(config["vocab_size"])

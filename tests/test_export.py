@@ -25,7 +25,7 @@ def test_f16_gguf_of_the_embedded_model_round_trips(embedded_dir, tmp_path):
     from nb_helpers.export import greedy_agreement
     from nb_helpers.models import load_tokenizer
 
-    path = write_gguf(embedded_dir, tmp_path / "smollm2-f16.gguf", "f16")
+    path = write_gguf(embedded_dir, tmp_path / "gguf" / "smollm2-f16.gguf", "f16")  # a folder not made yet, as in 05
     model, tokenizer = load_gguf(path)
     reference = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32)
     theirs = model.state_dict()
