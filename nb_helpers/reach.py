@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner import Plan, known_shapes, plan, plan_for_config, shapes_dir
+from .planner import Plan, known_shapes, load_shape, plan, plan_for_config, shapes_dir
 
 ROW_STEP = 512  # longest_row's resolution in tokens: finer than this the planner's ±5% says nothing
 
@@ -46,11 +46,10 @@ def longest_row(planned: Plan, budget_gib: float, limit: int | None = None) -> i
 
 
 def fit_table(cfg, budget_gib: float, context_gib: float | None = None,
-              gpu_capability: tuple[int, int] = (7, 5)) -> list[FitRow]:
+              gpu_capability: tuple[int, int] | None = None) -> list[FitRow]:
     """One FitRow per known shape, smallest model first: its predicted peak with cfg's knobs (LoRA targets
-    translated to each family's layer names), with offloaded checkpoints, and its longest row at batch 1."""
-    from .architecture import load_shape
-
+    translated to each family's layer names), with offloaded checkpoints, and its longest row at batch 1.
+    context_gib and gpu_capability default to this GPU's, or a GTX 1650's where there is none."""
     rows = []
     for name in known_shapes():
         shape = load_shape(str(shapes_dir() / f"{name}.json"))
