@@ -127,7 +127,7 @@ def _tokenizer_kind(tokenizer_json: dict) -> tuple[str, str]:
                       "pre_tokenizer) — use llama.cpp's convert_hf_to_gguf.py, which identifies it by hash")
 
 
-def _add_tokenizer(writer, model_dir: Path) -> None:
+def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     import gguf
 
     tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
@@ -135,7 +135,6 @@ def _add_tokenizer(writer, model_dir: Path) -> None:
     vocab: dict[str, int] = dict(tokenizer_json["model"]["vocab"])
     added = {t["id"]: t for t in tokenizer_json.get("added_tokens", [])}
     size = max([*vocab.values(), *added]) + 1
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     size = max(size, config.get("vocab_size", 0))  # the embedding may have padding rows
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [gguf.TokenType.UNUSED] * size
@@ -188,7 +187,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, kind: str = "f16") -
                                     or config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_file_type(file_type)
-    _add_tokenizer(writer, model_dir)
+    _add_tokenizer(writer, model_dir, config)
     for name, data in _tensors(model_dir, config):
         if data.ndim == 1:
             writer.add_tensor(name, data.astype(np.float32))
@@ -228,12 +227,14 @@ def load_gguf(path: str | Path, dtype=None):
 # Checking the export
 
 
-def greedy_agreement(reference, candidate, conversations: list[list[dict]], max_new_tokens: int = 48) -> dict:
-    """Greedy answers of two (model, tokenizer) pairs on the same chat prompts, each through its own tokenizer
-    and chat template: {"agree": n, "total": n, "rate": share, "pairs": [(reference, candidate), ...]}."""
+def greedy_agreement(reference_answers: list[str], candidate, conversations: list[list[dict]],
+                     max_new_tokens: int = 48) -> dict:
+    """The greedy answers of a (model, tokenizer) pair, through its own tokenizer and chat template, against the
+    reference's answers to the same chat prompts (task_metric.generate, computed once for every file checked):
+    {"agree": n, "total": n, "rate": share, "pairs": [(reference, candidate), ...]}."""
     from .task_metric import generate
 
-    ours = generate(*reference, conversations, max_new_tokens)
+    ours = reference_answers
     theirs = generate(*candidate, conversations, max_new_tokens)
     agree = sum(a == b for a, b in zip(ours, theirs))
     return {"agree": agree, "total": len(ours), "rate": agree / max(len(ours), 1), "pairs": list(zip(ours, theirs))}
@@ -356,22 +357,24 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
 
     from .models import load_tokenizer
 
+    from .task_metric import generate
+
     model_dir = Path(model_dir)
     out_dir = Path(out_dir or model_dir.parent / "gguf")
-    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(str(model_dir))
-    reference = None
+    reference_answers = None
     if conversations:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
-        reference = (model, tokenizer)
+        reference_answers = generate(model, tokenizer, conversations, max_new_tokens)
+        del model
     results = []
     for kind in kinds:
         path = out_dir / f"{model_dir.parent.name or 'model'}-{kind}.gguf"
         start = time.perf_counter()
         write_gguf(model_dir, path, kind)
         result = ExportResult(kind, path, path.stat().st_size, time.perf_counter() - start)
-        if reference is not None:
-            agreement = greedy_agreement(reference, load_gguf(path), conversations, max_new_tokens)
+        if reference_answers is not None:
+            agreement = greedy_agreement(reference_answers, load_gguf(path), conversations, max_new_tokens)
             result.agree, result.total = agreement["agree"], agreement["total"]
         log(f"[export] {result.line()}")
         results.append(result)

@@ -493,10 +493,15 @@ def known_shapes() -> dict[str, str]:
     return {path.stem: load_shape(str(path)).describe() for path in paths}
 
 
-def plan_for_family(cfg, name: str, context_gib: float | None = None,
-                    gpu_capability: tuple[int, int] | None = None) -> Plan:
-    """plan_for_config for one of known_shapes() (e.g. "qwen3-1.7b"), with the config's other knobs as they are."""
+def known_shape(name: str) -> Shape:
+    """One of known_shapes() by name (e.g. "qwen3-1.7b"), read from its config.json in bench/shapes/."""
     path = shapes_dir() / f"{name}.json"
     if not path.exists():
         raise ValueError(f"no shape {name!r}; known: {', '.join(known_shapes())}")
-    return plan_for_config(cfg, load_shape(str(path)), context_gib=context_gib, gpu_capability=gpu_capability)
+    return load_shape(str(path))
+
+
+def plan_for_family(cfg, name: str, context_gib: float | None = None,
+                    gpu_capability: tuple[int, int] | None = None) -> Plan:
+    """plan_for_config for one of known_shapes(), with the config's other knobs as they are."""
+    return plan_for_config(cfg, known_shape(name), context_gib=context_gib, gpu_capability=gpu_capability)

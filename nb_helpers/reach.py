@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner import Plan, known_shapes, load_shape, plan, plan_for_config, shapes_dir
+from .planner import Plan, known_shape, known_shapes, plan, plan_for_config
 
 ROW_STEP = 512  # longest_row's resolution in tokens: finer than this the planner's ±5% says nothing
 
@@ -52,7 +52,7 @@ def fit_table(cfg, budget_gib: float, context_gib: float | None = None,
     context_gib and gpu_capability default to this GPU's, or a GTX 1650's where there is none."""
     rows = []
     for name in known_shapes():
-        shape = load_shape(str(shapes_dir() / f"{name}.json"))
+        shape = known_shape(name)
         planned = plan_for_config(cfg, shape, context_gib=context_gib, gpu_capability=gpu_capability)
         offload = None
         if planned.inputs.gradient_checkpointing:

@@ -297,13 +297,12 @@ def family_plan_widget(cfg: RunConfig, start: str | None = None, budget_gib: flo
     with cfg's knobs; LoRA targets are translated to each family's layer names (Phi's qkv_proj, say)."""
     import ipywidgets as w
 
-    from .planner import known_shapes, load_shape, shapes_dir
+    from .planner import known_shape, known_shapes
 
     names = known_shapes()
     choice = w.Dropdown(options=[(f"{name}: {about}", name) for name, about in names.items()],
                         value=start if start in names else next(iter(names)), description="model",
                         layout=w.Layout(width="100%"), style={"description_width": "60px"})
-    view = PlanView(cfg, load_shape(str(shapes_dir() / f"{choice.value}.json")), budget_gib=budget_gib)
-    choice.observe(lambda change: view.set_shape(load_shape(str(shapes_dir() / f"{change['new']}.json")), cfg),
-                   names="value")
+    view = PlanView(cfg, known_shape(choice.value), budget_gib=budget_gib)
+    choice.observe(lambda change: view.set_shape(known_shape(change["new"]), cfg), names="value")
     return w.VBox([choice, view.widget]), choice, view

@@ -23,6 +23,7 @@ def test_f16_gguf_of_the_embedded_model_round_trips(embedded_dir, tmp_path):
     from nb_helpers.config import RunConfig
     from nb_helpers.data import load_rows
     from nb_helpers.export import greedy_agreement
+    from nb_helpers.task_metric import generate
     from nb_helpers.models import load_tokenizer
 
     path = write_gguf(embedded_dir, tmp_path / "gguf" / "smollm2-f16.gguf", "f16")  # a folder not made yet, as in 05
@@ -38,7 +39,8 @@ def test_f16_gguf_of_the_embedded_model_round_trips(embedded_dir, tmp_path):
     assert tokenizer(text)["input_ids"] == ours(text)["input_ids"]
     assert (tokenizer.eos_token, tokenizer.pad_token) == (ours.eos_token, ours.pad_token)
     prompts = [r["prompt"] for r in load_rows("data/eval.jsonl", RunConfig(), 2)]
-    agreement = greedy_agreement((reference, ours), (model, tokenizer), prompts, max_new_tokens=12)
+    agreement = greedy_agreement(generate(reference, ours, prompts, max_new_tokens=12), (model, tokenizer), prompts,
+                                 max_new_tokens=12)
     assert agreement["agree"] == agreement["total"] == 2, agreement["pairs"]
 
 
