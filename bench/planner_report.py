@@ -38,16 +38,22 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              # issue 11: Qwen3, Gemma 3, Llama-3.2-1B, Phi-4-mini, Qwen2.5 shapes (bench/planner_grid.py --points
              # families); the planner's constants were not refitted on them
              "grid5-families.jsonl": "families, grid"}
-THROUGHPUT = {"throughput.json": ("lean path, throughput runs (call 1)", False),
+# throughput.json's W512/W2048 runs were measured again at b121a9f (expandable segments on); the runs named
+# "...-at-c8e6f11" are kept from call 1, before expandable segments.
+THROUGHPUT = {"throughput.json": ("lean path, throughput runs", True),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True)}
+BEFORE_EXPANDABLE = "-at-c8e6f11"
 
 
-def flags(fast: str | None, expandable_default: bool) -> dict:
-    """PlanInput switches for a run made with NB_FASTPATH=fast."""
+def flags(fast: str | None, expandable_default: bool, log: list[str] | None = None) -> dict:
+    """PlanInput switches for a run made with NB_FASTPATH=fast. Offloaded checkpoints are read from the run's own
+    log, since auto-fit may choose them without NB_FASTPATH saying so."""
     fast = fast or ""
     off = {item.partition("=")[0] for item in fast.split(",") if item.endswith("=0")}
+    offload = any("checkpoints offloaded to pinned CPU RAM" in line for line in log or [])
     return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
-                nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off)
+                nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
+                offload=offload)
 
 
 def rows():
@@ -78,7 +84,7 @@ def rows():
                                  accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
                                  budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
                                  allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
-                    flags(r.get("fast"), expandable)
+                    flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"))
 
 
 def main() -> None:
