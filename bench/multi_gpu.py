@@ -47,9 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_command(world: int, config: Path) -> list[str]:
-    """What a user types: `python -m nb_helpers train` on one GPU, `accelerate launch` on several."""
+def train_command(world: int, config: Path, profile_dir: Path | None = None) -> list[str]:
+    """What a user types: `python -m nb_helpers train` on one GPU, `accelerate launch` on several. With a
+    profile_dir, the same under cProfile (bench/profile_train.py), one report per process."""
     train = ["-m", "nb_helpers", "train", "--config", str(config)]
+    if profile_dir is not None:
+        train = [str(ROOT / "bench" / "profile_train.py"), str(profile_dir / f"world{world}"), "--config", str(config)]
     if world == 1:
         return [sys.executable, *train]
     # --mixed_precision no only silences accelerate's defaults notice: the Trainer's bf16=True sets the precision
@@ -72,16 +75,53 @@ def write_config(args, model_dir: Path, data: Path, work: Path, world: int) -> P
     return path
 
 
-def measure(world: int, config: Path, work: Path, threads: int, timeout_s: float) -> dict:
+def compute_apps() -> list[tuple[int, str, int]]:
+    """(pid, GPU uuid, MiB) of every process holding memory on a GPU, as nvidia-smi lists them."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in text.strip().splitlines():
+        pid, uuid, mib = (part.strip() for part in line.split(","))
+        if mib.isdigit():
+            rows.append((int(pid), uuid, int(mib)))
+    return rows
+
+
+def run_sampling_apps(command: list[str], env: dict, timeout_s: float, sample: bool):
+    """Run the command to the end; meanwhile (on GPUs) note the most memory each process held on each GPU: a process
+    that holds memory on a GPU other than its own shows up as a second row with its pid."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    peaks: dict[tuple[int, str], int] = {}
+    deadline = time.time() + timeout_s
+    while sample and proc.poll() is None and time.time() < deadline:
+        for pid, uuid, mib in compute_apps():
+            peaks[(pid, uuid)] = max(mib, peaks.get((pid, uuid), 0))
+        time.sleep(1.0)
+    try:
+        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    apps = [{"pid": pid, "gpu": uuid[-8:], "max_used_mib": mib} for (pid, uuid), mib in sorted(peaks.items())]
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), apps
+
+
+def measure(world: int, config: Path, work: Path, threads: int, timeout_s: float,
+            profile_dir: Path | None = None) -> dict:
     """One run in a fresh process (tree); its numbers come from the run folder rank 0 wrote."""
+    import torch
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     for name in ("NB_CI", "NB_CONFIG", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)
-    command, t0 = train_command(world, config), time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
+    command, t0 = train_command(world, config, profile_dir), time.time()
+    proc, apps = run_sampling_apps(command, env, timeout_s, sample=torch.cuda.is_available())
     row = {"world_size": world, "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode,
-           "command": " ".join("python" if c == sys.executable else c for c in command)}
+           "command": " ".join("python" if c == sys.executable else c for c in command), "compute_apps": apps}
     run = Path(json.loads(config.read_text())["runs_dir"]) / "run"
     metrics = run / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -154,6 +194,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_gpu.json"))
     parser.add_argument("--timeout-s", type=float, default=240, help="per run")
     parser.add_argument("--allow-cpu", action="store_true", help="dry run without GPUs (processes on the CPU, gloo)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP threads per process (default: the CPU's cores over the most processes)")
+    parser.add_argument("--profile-dir", default=None, help="run each process under cProfile; reports go here")
     args = parser.parse_args()
 
     import torch
@@ -176,7 +219,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     write_rows(AutoTokenizer.from_pretrained(model_dir), data, args.steps * args.global_batch, args.seq, seed=args.seq)
-    threads = max(1, (os.cpu_count() or 2) // max(worlds))  # every run gets the share a process has at the most GPUs
+    # every run gets the share a process has at the most GPUs
+    threads = args.threads or max(1, (os.cpu_count() or 2) // max(worlds))
     out = {**gpu_facts(args.allow_cpu), "date": datetime.date.today().isoformat(), "versions": versions(),
            "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)"
            if args.model_dir == parser.get_default("model_dir") else str(model_dir),
@@ -188,7 +232,8 @@ def main() -> None:
            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "setup_s": round(time.time() - start, 1), "worlds": {}}
     for world in worlds:
-        row = measure(world, write_config(args, model_dir, data, work, world), work, threads, args.timeout_s)
+        row = measure(world, write_config(args, model_dir, data, work, world), work, threads, args.timeout_s,
+                      Path(args.profile_dir) if args.profile_dir else None)
         out["worlds"][str(world)] = row
         compare(out)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
