@@ -301,3 +301,14 @@ def test_one_process_that_sees_several_gpus_trains_on_one(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args._n_gpu = 2
     assert not distributed.one_gpu_per_process(args)  # launched: each process has its own GPU already
+
+
+def test_nccl_is_kept_small_unless_the_user_chose(monkeypatch):
+    from nb_helpers import distributed
+
+    monkeypatch.delenv("NCCL_MAX_NCHANNELS", raising=False)
+    assert distributed.lean_nccl() == {"NCCL_MAX_NCHANNELS": "2"}
+    assert os.environ["NCCL_MAX_NCHANNELS"] == "2"
+    monkeypatch.setenv("NCCL_MAX_NCHANNELS", "16")
+    assert distributed.lean_nccl() == {}
+    assert os.environ["NCCL_MAX_NCHANNELS"] == "16"
