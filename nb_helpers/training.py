@@ -334,8 +334,8 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
         # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.
         ddp_find_unused_parameters=False if run.world_size > 1 else None,
-        # nor broadcast the model's buffers from rank 0 before every forward: the only ones are RoPE's inv_freq,
-        # the same constant on every process
+        # nor broadcast the model's buffers from rank 0 before every forward: each process computes them from the
+        # config and its own batch (RoPE's inv_freq, Gemma's embed_scale), nothing is learned
         ddp_broadcast_buffers=False if run.world_size > 1 else None,
     )
 

@@ -98,7 +98,7 @@ def test_ddp_settings_only_with_several_processes(tmp_path):
     run.world_size = 2
     # every LoRA parameter gets a gradient; searching for unused ones breaks with gradient checkpointing
     assert bookkeeping_args(run)["ddp_find_unused_parameters"] is False
-    assert bookkeeping_args(run)["ddp_broadcast_buffers"] is False  # RoPE's constant inv_freq: nothing to sync
+    assert bookkeeping_args(run)["ddp_broadcast_buffers"] is False  # computed by each process, never learned
     assert bookkeeping_args(run)["gradient_checkpointing_kwargs"]["use_reentrant"] is False
 
 
