@@ -93,18 +93,20 @@ def compute_apps() -> list[tuple[int, str, int]]:
 def run_sampling_apps(command: list[str], env: dict, timeout_s: float, sample: bool):
     """Run the command to the end; meanwhile (on GPUs) note the most memory each process held on each GPU: a process
     that holds memory on a GPU other than its own shows up as a second row with its pid."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     peaks: dict[tuple[int, str], int] = {}
     deadline = time.time() + timeout_s
-    while sample and proc.poll() is None and time.time() < deadline:
-        for pid, uuid, mib in compute_apps():
-            peaks[(pid, uuid)] = max(mib, peaks.get((pid, uuid), 0))
-        time.sleep(1.0)
-    try:
-        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+    # output goes to files, not pipes: a pipe nobody reads while sampling would fill up and stall the run
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=ROOT, env=env)
+        while proc.poll() is None and time.time() < deadline:
+            for pid, uuid, mib in compute_apps() if sample else []:
+                peaks[(pid, uuid)] = max(mib, peaks.get((pid, uuid), 0))
+            time.sleep(1.0)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
     apps = [{"pid": pid, "gpu": uuid[-8:], "max_used_mib": mib} for (pid, uuid), mib in sorted(peaks.items())]
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), apps
 
