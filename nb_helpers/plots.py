@@ -115,3 +115,30 @@ class LivePlot:
         r = [r for r in self.records if "loss" in r][-1]
         return f"{self.name}: step {r['step']}, loss {r['loss']:.3f}" + \
             (f", {r['step_s']:.2f} s/step" if r.get("step_s") is not None else "")
+
+
+def plot_benchmark(bench, figsize=(9, 3.2)):
+    """Tokens/s and peak device memory of the reference recipe and our path, per workload (nb_helpers.benchmarks),
+    with the budget as a dashed line on the memory panel."""
+    fig = CourseFigure(figsize=figsize)
+    speed, memory = fig.subplots(1, 2)
+    workloads = list(dict.fromkeys(r.workload for r in bench.rows))
+    width = 0.38
+    for offset, recipe in ((-width / 2, "reference"), (width / 2, "ours")):
+        rows = {r.workload: r for r in bench.rows if r.recipe == recipe}
+        xs = [i + offset for i in range(len(workloads))]
+        speed.bar(xs, [rows[w].tokens_per_s for w in workloads], width, label=recipe)
+        memory.bar(xs, [rows[w].peak_device_gib for w in workloads], width, label=recipe)
+    memory.axhline(bench.budget_gib, color="red", linestyle="--", linewidth=1, label=f"{bench.budget_gib:g} GiB")
+    for ax, title in ((speed, "tokens / s"), (memory, "peak device memory (GiB)")):
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    memory.set_ylim(0, bench.budget_gib * 1.25)  # room above the budget line for the legend
+    speed.legend(fontsize=8)
+    memory.legend(fontsize=8, loc="upper left", ncol=3)
+    fig.tight_layout()
+    ratios = [f"{r.workload} {r.ratio:.1f}x" for r in bench.rows if r.recipe == "ours"]
+    fig.alt = (f"bars of tokens/s and peak memory, reference recipe against our path, on {bench.gpu}; our speed over "
+               f"the reference: {', '.join(ratios)}")
+    return fig

@@ -49,7 +49,8 @@ def missing_requirement() -> str | None:
 
 def copy_project(dest: Path) -> Path:
     """The course in a scratch folder, so runs/, the carried config and saved notebooks never touch the real one."""
-    for name in ("nb_helpers", "notebooks", "data", "jupyter", "bench/shapes"):  # bench/shapes: notebook 02's models
+    # bench/shapes: notebook 02's models; bench/results: the GPU benchmark notebook 04 shows
+    for name in ("nb_helpers", "notebooks", "data", "jupyter", "bench/shapes", "bench/results"):
         shutil.copytree(PROJECT_ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_*"))
     shutil.copy(PROJECT_ROOT / "pyproject.toml", dest / "pyproject.toml")
     cache = PROJECT_ROOT / ".cache"

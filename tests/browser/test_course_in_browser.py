@@ -258,6 +258,9 @@ def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, 
     for index in (latest, compare):
         expect(figures_in(nb, index)).to_have_count(1)  # shown once, not by the backend and again as the value
     assert f"run: {STATE['first_run']}" in figures_in(nb, latest).get_attribute("alt")
+    benchmark = figures_in(nb, nb.index_of("plot_benchmark(bench)"))  # section 8: the committed GPU benchmark
+    expect(benchmark).to_have_count(1)
+    assert "our speed over the reference: w512" in benchmark.get_attribute("alt")
     runs = [load_run(p) for p in list_runs(project / "runs" / "ci")[-4:]]
     legend_or_run = figures_in(nb, compare).get_attribute("alt")
     assert all(r.label in legend_or_run for r in runs), (legend_or_run, [r.label for r in runs])
