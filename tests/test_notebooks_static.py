@@ -23,6 +23,8 @@ def test_the_course_is_complete_and_ordered():
 def test_notebook_is_clean_valid_and_follows_the_skeleton(path):
     import nbformat
 
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    assert all(cell.get("id") for cell in raw["cells"]), "every cell needs an id (nbformat 4.5; a missing one warns now)"
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     code = [c for c in nb.cells if c.cell_type == "code"]
