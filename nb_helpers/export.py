@@ -234,10 +234,11 @@ def greedy_agreement(reference_answers: list[str], candidate, conversations: lis
     {"agree": n, "total": n, "rate": share, "pairs": [(reference, candidate), ...]}."""
     from .task_metric import generate
 
-    ours = reference_answers
     theirs = generate(*candidate, conversations, max_new_tokens)
-    agree = sum(a == b for a, b in zip(ours, theirs))
-    return {"agree": agree, "total": len(ours), "rate": agree / max(len(ours), 1), "pairs": list(zip(ours, theirs))}
+    agree = sum(a == b for a, b in zip(reference_answers, theirs))
+    total = len(reference_answers)
+    return {"agree": agree, "total": total, "rate": agree / max(total, 1),
+            "pairs": list(zip(reference_answers, theirs))}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -356,7 +357,6 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
     from transformers import AutoModelForCausalLM
 
     from .models import load_tokenizer
-
     from .task_metric import generate
 
     model_dir = Path(model_dir)
