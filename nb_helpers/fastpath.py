@@ -56,6 +56,8 @@ class FastOptions:
     offload: bool = False  # activation checkpoints in pinned CPU RAM, copied asynchronously (CUDA); frees
     #                        layers x tokens x hidden x 2 bytes of device memory for longer rows or bigger batches
     offload_sync: bool = False  # the same through transformers' own offload (synchronous copies): measured against it
+    reentrant: bool = True  # reentrant checkpoints: the forward runs under no_grad, with no saved-tensor hooks; GPU
+    direct_dequant: bool = True  # bitsandbytes' dequantize kernels called directly (no per-call wrapper); CUDA
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -64,7 +66,8 @@ class FastOptions:
         import torch
 
         gpu = torch.cuda.is_available()
-        values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu}
+        values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu, "reentrant": gpu,
+                  "direct_dequant": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:
@@ -218,24 +221,38 @@ def _offload_hooks():
 
 
 def offloaded_checkpoint(function, *args, **kwargs):
-    """torch's non-reentrant checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM."""
+    """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM. Both variants save the
+    layer's inputs through the hooks; the recompute in the backward runs outside them, on the device."""
     from torch.utils.checkpoint import checkpoint
 
     with _offload_hooks():
         return checkpoint(function, *args, **kwargs)
 
 
+def checkpoint_kwargs(model=None) -> dict:
+    """torch checkpoint's keyword arguments for this model's run: the one source for the Trainer, auto-fit's trial
+    step and the offload switch. Reentrant checkpoints (the GPU default) run the forward under no_grad: no autograd
+    graph and no saved-tensor hook per saved tensor, which is host time on a host-bound step (measured in
+    bench/NOTES.md). They need an input that requires grad: transformers' gradient_checkpointing_enable makes the
+    embeddings' output require it."""
+    fast = getattr(model, "_nb_fast", None) or FastOptions.from_env()
+    if fast.selective_gc:  # TRL's selective checkpointing works through the non-reentrant variant only
+        return {"use_reentrant": False, "selective": True}
+    return {"use_reentrant": bool(fast.reentrant)}
+
+
 def set_checkpoint_offload(model, offload: bool) -> None:
-    """Point every checkpointed layer at the offloaded (or the plain) checkpoint function; the kwargs stay
-    transformers' (use_reentrant=False)."""
+    """Point every checkpointed layer at the offloaded (or the plain) checkpoint function, with this run's
+    checkpoint_kwargs."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
+    kwargs = {k: v for k, v in checkpoint_kwargs(model).items() if k == "use_reentrant"}
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint if offload else checkpoint,
-                                                                    use_reentrant=False)
+                                                                    **kwargs)
 
 
 def install_offload(model, offload: bool) -> bool:
@@ -269,7 +286,7 @@ def install_offload(model, offload: bool) -> bool:
 
 
 # --- fused QLoRA layers -----------------------------------------------------------------------------------------
-def apply_fused_lora(model, verbose: bool = True) -> bool:
+def apply_fused_lora(model, verbose: bool = True, direct_dequant: bool = True) -> bool:
     """Route the 4-bit layers through nb_helpers.fused_lora (same math, fewer host calls). CUDA only."""
     import torch
 
@@ -279,7 +296,7 @@ def apply_fused_lora(model, verbose: bool = True) -> bool:
         return False
     from . import fused_lora
 
-    count = fused_lora.install(model)
+    count = fused_lora.install(model, direct_dequant=direct_dequant)
     if verbose:
         say_once("fused-lora-on", f"[fast] {count} 4-bit layers run as fused QLoRA functions (one call each)")
     return count > 0

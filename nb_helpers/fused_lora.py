@@ -23,19 +23,71 @@ import types
 import torch
 
 
-def _dequantize(weight):
-    from bitsandbytes.functional import dequantize_4bit
+def _dequantize(weight, direct: bool = False):
+    """W in its compute dtype. `direct`: through bitsandbytes' own CUDA kernels, called as bitsandbytes' CUDA backend
+    calls them, without the per-call wrapper (argument checks, two custom-op dispatches, a fresh QuantState walk)
+    that costs more host time than the kernels take on a fast GPU. Same kernels, so the same bits."""
+    state, data = weight.quant_state, weight.data
+    kernels = _direct_kernels() if direct and data.is_cuda else None
+    if kernels is None or (state.dtype, state.quant_type) not in kernels[1] \
+            or data.device.index != torch.cuda.current_device():
+        from bitsandbytes.functional import dequantize_4bit
 
-    return dequantize_4bit(weight.data, weight.quant_state)
+        return dequantize_4bit(data, state)
+    absmax_kernel, weight_kernels = kernels
+    stream = torch._C._cuda_getCurrentRawStream(data.device.index)
+    absmax = state.absmax
+    if state.nested:  # double quantization: the absmax are 8-bit themselves, blockwise over their own absmax
+        nested = state.state2
+        scales = torch.empty(absmax.shape, dtype=torch.float32, device=data.device)
+        absmax_kernel(nested.code.data_ptr(), absmax.data_ptr(), nested.absmax.data_ptr(), scales.data_ptr(),
+                      nested.blocksize, absmax.numel(), stream)
+        absmax = scales.add_(state.offset)
+    out = torch.empty(state.shape, dtype=state.dtype, device=data.device)
+    weight_kernels[state.dtype, state.quant_type](None, data.data_ptr(), absmax.data_ptr(), out.data_ptr(),
+                                                  state.blocksize, out.numel(), stream)
+    return out
+
+
+_KERNELS: list = []  # probed once: [None] or [(absmax kernel, {(dtype, quant type): weight kernel})]
+
+
+def _direct_kernels():
+    if not _KERNELS:
+        _KERNELS.append(_probe_kernels())
+    return _KERNELS[0]
+
+
+def _probe_kernels():
+    """bitsandbytes' dequantize kernels with the argument types its CUDA backend declares, or None (a CPU-only or
+    a changed bitsandbytes: the public dequantize_4bit runs instead, said once)."""
+    from .fastpath import say_once
+
+    try:
+        import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' ctypes argument types
+        from bitsandbytes.cextension import lib
+
+        raw = lib._lib
+        dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        weight_kernels = {(dtype, quant): getattr(raw, f"cdequantize_blockwise_{name}_{quant}")
+                          for dtype, name in dtypes.items() for quant in ("nf4", "fp4")}
+        absmax_kernel = raw.cdequantize_blockwise_fp32
+        if not all(len(k.argtypes or ()) == 7 for k in (absmax_kernel, *weight_kernels.values())):
+            raise RuntimeError("their argument types are not the 7 this code passes")
+    except Exception as e:  # noqa: BLE001 - any import or attribute change in bitsandbytes' internals
+        say_once("direct-dequant", f"[fast] bitsandbytes' dequantize kernels are not reachable directly "
+                                   f"({type(e).__name__}: {str(e)[:100]}); using its public dequantize_4bit")
+        return None
+    return absmax_kernel, weight_kernels
 
 
 class LoRA4bitLinear(torch.autograd.Function):
     """y = x W^T + b + s * dropout(x) A^T B^T, with W in NF4; gradients for x, A and B only (the base is frozen)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False):
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.nn.functional.linear(flat, _dequantize(weight).to(x.dtype), None if bias is None else
+        out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
                                          bias.to(x.dtype))
         if dropout_p > 0:
             dropped, mask = torch.native_dropout(flat, dropout_p, True)
@@ -45,7 +97,7 @@ class LoRA4bitLinear(torch.autograd.Function):
         down = dropped @ a.t()
         out.addmm_(down, b.t(), alpha=scaling)
         ctx.save_for_backward(dropped, down, mask, a, b)
-        ctx.weight, ctx.scaling, ctx.dropout_p = weight, scaling, dropout_p
+        ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -56,28 +108,28 @@ class LoRA4bitLinear(torch.autograd.Function):
         grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
         grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
         grad_a = grad_down.t() @ dropped  # (r, in)
-        grad_x = grad @ _dequantize(ctx.weight).to(grad.dtype)
+        grad_x = grad @ _dequantize(ctx.weight, ctx.direct).to(grad.dtype)
         if mask is None:
             grad_x.addmm_(grad_down, a)
         else:
             lora_x = torch.ops.aten.native_dropout_backward(grad_down @ a, mask, 1.0 / (1.0 - ctx.dropout_p))
             grad_x.add_(lora_x)
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
-                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None)
+                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None)
 
 
 class Frozen4bitLinear(torch.autograd.Function):
     """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.weight = weight
-        return torch.nn.functional.linear(x, _dequantize(weight).to(x.dtype),
+    def forward(ctx, x, weight, bias, direct: bool = False):
+        ctx.weight, ctx.direct = weight, direct
+        return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype),
                                           None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ _dequantize(ctx.weight).to(grad_out.dtype), None, None
+        return grad_out @ _dequantize(ctx.weight, ctx.direct).to(grad_out.dtype), None, None, None
 
 
 def _lora_forward(self, x, *args, **kwargs):
@@ -89,21 +141,21 @@ def _lora_forward(self, x, *args, **kwargs):
     dropout = self.lora_dropout[name]
     p = float(getattr(dropout, "p", 0.0)) if self.training else 0.0
     return LoRA4bitLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                float(self.scaling[name]), p)
+                                float(self.scaling[name]), p, self._nb_direct)
 
 
 def _frozen_forward(self, x):
     if getattr(self.weight, "quant_state", None) is None or getattr(self.weight.quant_state, "packing_format_for_cpu",
                                                                      False):
         return type(self).forward(self, x)
-    return Frozen4bitLinear.apply(x, self.weight, self.bias)
+    return Frozen4bitLinear.apply(x, self.weight, self.bias, self._nb_direct)
 
 
-def install(model) -> int:
+def install(model, direct_dequant: bool = True) -> int:
     """Route every 4-bit linear layer of a peft-wrapped model through the fused functions. Returns how many layers
     were patched (0 where bitsandbytes' 4-bit layers are absent). The fast path calls it on CUDA only: on a CPU,
     bitsandbytes repacks weights for its own inference kernels, and the CPU path keeps the code its results were
-    measured with."""
+    measured with. `direct_dequant`: bitsandbytes' dequantize kernels without their Python wrapper (see _dequantize)."""
     import bitsandbytes as bnb
     from peft.tuners.lora import LoraLayer
 
@@ -112,9 +164,9 @@ def install(model) -> int:
     patched = 0
     for module in model.modules():
         if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), bnb.nn.Linear4bit):
-            module.forward = types.MethodType(_lora_forward, module)
+            module.forward, module._nb_direct = types.MethodType(_lora_forward, module), direct_dequant
             patched += 1
         elif isinstance(module, bnb.nn.Linear4bit) and id(module) not in wrapped:
-            module.forward = types.MethodType(_frozen_forward, module)
+            module.forward, module._nb_direct = types.MethodType(_frozen_forward, module), direct_dequant
             patched += 1
     return patched

@@ -27,6 +27,7 @@ from . import distributed
 from .config import ConfigError, RunConfig
 from .data import load_train_eval, longest_row_tokens, to_dataset
 from .dtypes import resolve_compute_dtype
+from .fastpath import checkpoint_kwargs
 from .lora import check_targets, lora_config, parameter_counts
 from .memory import record_nvml_baseline
 from .metrics import MetricsCallback, read_metrics
@@ -313,11 +314,10 @@ def bookkeeping_args(run: TrainingRun) -> dict:
     import torch
 
     cfg, cuda = run.cfg, torch.cuda.is_available()
-    selective = bool(getattr(getattr(run.model, "_nb_fast", None), "selective_gc", False))
     return dict(
         output_dir=str(Path(run.run_dir or ".") / "checkpoints"),
         per_device_eval_batch_size=cfg.micro_batch_size,
-        gradient_checkpointing_kwargs={"use_reentrant": False, **({"selective": True} if selective else {})},
+        gradient_checkpointing_kwargs=checkpoint_kwargs(run.model),
         logging_steps=cfg.logging_steps,
         logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
         save_strategy="steps",
@@ -553,7 +553,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
     if fast.nomask:
         install_mask_drop(model)
     if fast.fused_lora:
-        apply_fused_lora(model)
+        apply_fused_lora(model, direct_dequant=fast.direct_dequant)
     if fast.compile:
         compile_layers(model)
     install_offload(model, bool(cfg.offload_checkpoints or fast.offload or fast.offload_sync)
@@ -585,9 +585,9 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     from trl.trainer.utils import add_fused_lm_head
 
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         from .fastpath import set_checkpoint_offload
 
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(model))
         set_checkpoint_offload(model, offload)
     else:
         model.gradient_checkpointing_disable()

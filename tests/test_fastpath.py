@@ -271,3 +271,58 @@ def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, 
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, fused_lora=True))
     assert capsys.readouterr().out.count("fused QLoRA layers off: no CUDA GPU") == 1
     assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+def test_checkpoint_kwargs_follow_the_levers(monkeypatch):
+    monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
+    assert fastpath.checkpoint_kwargs() == {"use_reentrant": False}  # no GPU here: the CPU path is unchanged
+    assert fastpath.gpu_options().reentrant  # a GPU run uses reentrant checkpoints
+    monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1")
+    assert fastpath.checkpoint_kwargs() == {"use_reentrant": True}
+    monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1,selective_gc=1")  # TRL's selective GC: non-reentrant only
+    assert fastpath.checkpoint_kwargs() == {"use_reentrant": False, "selective": True}
+
+
+def test_reentrant_checkpoints_give_the_gradients_of_the_plain_ones(tiny_cfg):
+    """Reentrant checkpoints (the GPU default) replay the same dropout masks in the recompute: LoRA gradients equal
+    those of the non-reentrant variant and of no checkpointing at all (fp32, CPU)."""
+    import torch
+
+    model = _tiny(tiny_cfg.replace(lora_dropout=0.1), FastOptions(lean=True, kernels=False, nomask=False))
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def grads(**kwargs):
+        if kwargs:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    plain, reentrant, none = grads(use_reentrant=False), grads(use_reentrant=True), grads()
+    assert len(plain) > 0 and any(g.abs().sum() > 0 for g in plain)
+    for a, b, c in zip(plain, reentrant, none):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7) and torch.allclose(a, c, rtol=1e-5, atol=1e-7)
+
+
+def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg, monkeypatch):
+    """A reentrant checkpoint passes no gradient through unless its input requires one: transformers' checkpointing
+    switch (which the trial step turns on, as the Trainer does) makes the embeddings' output require it, so the
+    trial's backward reaches the adapters as training's does."""
+    import torch
+
+    from nb_helpers.training import trial_step
+
+    monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1")
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, reentrant=True))
+    model._nb_fast = FastOptions(lean=True, kernels=False, nomask=False, reentrant=True)
+    seen = []
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: seen.append(g.abs().sum().item()))
+    trial_step(model, batch=2, length=16, checkpointing=True, dtype=torch.bfloat16, vocab=1000)
+    assert seen and any(s > 0 for s in seen)

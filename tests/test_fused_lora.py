@@ -77,3 +77,32 @@ def test_fused_layers_match_on_the_gpu_in_bf16(tiny_cfg):
         cos = torch.nn.functional.cosine_similarity(grads[name].float().flatten(), ref_grads[name].float().flatten(),
                                                     dim=0)
         assert cos > 0.99, (name, cos.item())
+
+
+def test_direct_dequantize_falls_back_without_cuda_kernels_and_says_so_once(capsys, monkeypatch):
+    """This CPU build of bitsandbytes has no CUDA backend: the probe finds no kernels, says so once, and the public
+    dequantize_4bit runs."""
+    from nb_helpers import fastpath
+
+    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(fused_lora, "_KERNELS", [])
+    assert fused_lora._direct_kernels() is None and fused_lora._direct_kernels() is None
+    assert capsys.readouterr().out.count("dequantize kernels are not reachable directly") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [True, False])
+def test_direct_dequantize_gives_bitsandbytes_bits(dtype, quant_type, nested):
+    """The direct call runs bitsandbytes' own kernels, so every element must be bitwise what dequantize_4bit gives,
+    with and without double quantization."""
+    import types
+
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    assert fused_lora._direct_kernels() is not None  # on CUDA the kernels must be reachable, or this tests nothing
+    w = torch.randn(1000, 704, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(0))
+    packed, state = quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
+    weight = types.SimpleNamespace(data=packed, quant_state=state)
+    assert torch.equal(fused_lora._dequantize(weight, direct=True), dequantize_4bit(packed, state))
