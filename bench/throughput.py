@@ -66,6 +66,7 @@ def lever_runs(steps: int) -> list[dict]:
         run("shipped", "no-direct-dequant-8x1-no-gc", 8, 1, gc=False, fast="direct_dequant=0"),
         run("w2048", "no-reentrant-offload-8x1", 8, 1, fast="offload=1,reentrant=0"),
         run("w512", "host-profile-8x1-call6", 8, 1, cprofile=True),
+        run("w512", "busy-8x1", 8, 1, profile=True, steps=steps + 1),  # the GPU's busy share at W512
         # fifth device call: fused QLoRA layers are the default now; these runs take them out again
         run("w512", "unfused-8x1", 8, 1, fast="fused_lora=0"),
         run("w2048", "unfused-offload-8x1", 8, 1, fast="fused_lora=0,offload=1"),
