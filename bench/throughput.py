@@ -67,6 +67,8 @@ def lever_runs(steps: int) -> list[dict]:
         run("w2048", "no-reentrant-offload-8x1", 8, 1, fast="offload=1,reentrant=0"),
         run("w512", "host-profile-8x1-call6", 8, 1, cprofile=True),
         run("w512", "busy-8x1", 8, 1, profile=True, steps=steps + 1),  # the GPU's busy share at W512
+        run("w2048", "offload-same-stream-8x1", 8, 1, fast="offload=1,offload_overlap=0", profile=True,
+            steps=steps + 1),
         # fifth device call: fused QLoRA layers are the default now; these runs take them out again
         run("w512", "unfused-8x1", 8, 1, fast="fused_lora=0"),
         run("w2048", "unfused-offload-8x1", 8, 1, fast="fused_lora=0,offload=1"),
@@ -175,11 +177,12 @@ class HostProfile:
 
 def busy_share(prof, wall_s: float) -> dict:
     """Union of GPU kernel and copy intervals over the wall time of the profiled step."""
-    intervals = []
+    intervals, by_name = [], {}
     try:
         for e in prof.profiler.kineto_results.events():
             if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
                 intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+                by_name[e.name()[:80]] = by_name.get(e.name()[:80], 0) + e.duration_ns()
     except Exception:  # noqa: BLE001 - older/newer profiler API
         from torch.autograd import DeviceType
 
@@ -195,8 +198,11 @@ def busy_share(prof, wall_s: float) -> dict:
         elif b > end:
             busy += b - end
             end = b
+    copies = sum(t for name, t in by_name.items() if "memcpy" in name.lower())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {"busy_s": busy / 1e9, "wall_s": wall_s, "busy_share": busy / 1e9 / wall_s if wall_s else None,
-            "gpu_events": len(intervals)}
+            "gpu_events": len(intervals), "copy_s": copies / 1e9,
+            "top_kernels_s": {name: round(t / 1e9, 4) for name, t in top}}
 
 
 def reference_worker(spec: dict) -> dict:

@@ -1,6 +1,6 @@
 """The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
 
-Five changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+Seven changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
 call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
 
   * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
@@ -13,14 +13,17 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
     kernel that fails its smoke test), the stock layers stay and one line says so.
   * no attention mask for right-padded batches: TRL's collator pads on the right, and a causal model's real
     tokens never attend to later positions, so the mask changes nothing for them (pad positions carry no label).
-    Without a mask, SDPA runs its flash kernel with native grouped-query attention instead of the
-    memory-efficient kernel over keys and values repeated to every head plus a (batch, 1, seq, seq) bias.
+    Without a mask, SDPA runs a fused flash-style kernel (cuDNN's on an H200) with native grouped-query attention
+    instead of the memory-efficient kernel over keys and values repeated to every head plus a (batch, 1, seq, seq)
+    bias.
 
   * fused QLoRA layers (nb_helpers.fused_lora): each 4-bit linear layer, with its LoRA branch, as one autograd
     function: the step is bound by the host on a fast GPU, and peft's and bitsandbytes' wrappers cost 0.7 ms of
     Python per call.
   * activation checkpoints in CPU RAM (RunConfig.offload_checkpoints, chosen by auto-fit): each layer's checkpoint
-    goes to pinned host memory with an asynchronous copy, so long rows and bigger micro-batches fit.
+    goes to pinned host memory on a side stream that overlaps the compute, so long rows and bigger micro-batches fit.
+  * reentrant checkpoints: the forward of a checkpointed layer runs under no_grad, with no saved-tensor hooks.
+  * bitsandbytes' dequantize kernels called directly, without their per-call Python wrapper.
 
 Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
 adapters in bf16 runs, transformers' own synchronous offload.
@@ -56,6 +59,7 @@ class FastOptions:
     offload: bool = False  # activation checkpoints in pinned CPU RAM, copied asynchronously (CUDA); frees
     #                        layers x tokens x hidden x 2 bytes of device memory for longer rows or bigger batches
     offload_sync: bool = False  # the same through transformers' own offload (synchronous copies): measured against it
+    offload_overlap: bool = True  # offload copies on a side stream, overlapping compute (else on the compute stream)
     reentrant: bool = True  # reentrant checkpoints: the forward runs under no_grad, with no saved-tensor hooks; GPU
     direct_dequant: bool = True  # bitsandbytes' dequantize kernels called directly (no per-call wrapper); CUDA
 
@@ -194,12 +198,51 @@ def apply_fused_kernels(model, verbose: bool = True) -> bool:
 
 
 # --- activation checkpoints offloaded to CPU RAM ---------------------------------------------------------------
-def _offload_hooks():
-    """Saved-tensor hooks that move each checkpointed layer input to pinned host memory with a non-blocking copy and
-    bring it back the same way in the backward. transformers' own `offload=True` (torch's save_on_cpu) copies
-    synchronously, which stalls the host at every layer: on a host-bound step that is the whole gain. Stream order
-    keeps this safe: the device-to-host copy is queued before any kernel that could reuse the freed device memory,
-    and the host-to-device copy before the recompute that reads it."""
+class _Offloaded:
+    """One layer's checkpoint in pinned CPU RAM. `previous` (a weak reference) is the checkpoint packed just before it:
+    the layer whose backward comes next, so its copy back can start while this layer's backward runs."""
+
+    __slots__ = ("host", "device", "on_device", "ready", "previous", "__weakref__")
+
+    def __init__(self, host, device, previous):
+        self.host, self.device, self.on_device, self.ready, self.previous = host, device, None, None, previous
+
+    def fetch(self, stream) -> None:
+        import torch
+
+        if self.on_device is not None or self.host is None:
+            return
+        with torch.cuda.stream(stream):
+            self.on_device = self.host.to(self.device, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+        self.host = None  # the copy holds the pinned buffer until it is done (the host allocator records the stream)
+
+
+_COPY_STREAMS: dict = {}
+_LAST_PACKED: list = [None]  # weak reference to the checkpoint packed last
+
+
+def _copy_stream(device):
+    import torch
+
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+def _offload_hooks(overlap: bool = True):
+    """Saved-tensor hooks that move each checkpointed layer input to pinned host memory and bring it back in the
+    backward. transformers' own `offload=True` (torch's save_on_cpu) copies synchronously, which stalls the host at
+    every layer: on a host-bound step that is the whole gain.
+
+    `overlap` (the default): the copies run on a side stream, so they overlap the layers' compute instead of queueing
+    behind it (at 8 x 2048 on TinyLlama each layer's input is 64 MiB each way). The side stream waits for the
+    compute that produced the input; the input's memory is not reused until its copy is done (record_stream); and the
+    backward, on reaching a layer, starts fetching the one below it, so one more layer input sits on the card then
+    (the planner counts it). Without `overlap`, non-blocking copies on the compute stream: ordered, never overlapped."""
+    import weakref
+
     import torch
 
     def pack(tensor):
@@ -208,24 +251,44 @@ def _offload_hooks():
         if tensor.is_leaf and tensor.requires_grad:
             return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
         host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return tensor.device, host
+        if not overlap:
+            host.copy_(tensor, non_blocking=True)
+            return tensor.device, host
+        stream = _copy_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)
+        last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
+        packed = _Offloaded(host, tensor.device, weakref.ref(last) if last is not None else None)
+        _LAST_PACKED[0] = weakref.ref(packed)
+        return packed
 
     def unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=True)
+        if isinstance(packed, tuple):
+            device, host = packed
+            return host.to(device, non_blocking=True)
+        stream, compute = _copy_stream(packed.device), torch.cuda.current_stream(packed.device)
+        packed.fetch(stream)
+        below = packed.previous() if packed.previous is not None else None
+        if below is not None:
+            below.fetch(stream)  # the next layer's backward needs it: start its copy now
+        compute.wait_event(packed.ready)
+        tensor, packed.on_device = packed.on_device, None
+        tensor.record_stream(compute)  # allocated on the side stream, used and freed on this one
+        return tensor
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def offloaded_checkpoint(function, *args, **kwargs):
+def offloaded_checkpoint(function, *args, overlap: bool = True, **kwargs):
     """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM. Both variants save the
     layer's inputs through the hooks; the recompute in the backward runs outside them, on the device."""
     from torch.utils.checkpoint import checkpoint
 
-    with _offload_hooks():
+    with _offload_hooks(overlap=overlap):
         return checkpoint(function, *args, **kwargs)
 
 
@@ -249,10 +312,14 @@ def set_checkpoint_offload(model, offload: bool) -> None:
     from torch.utils.checkpoint import checkpoint
 
     kwargs = {k: v for k, v in checkpoint_kwargs(model).items() if k == "use_reentrant"}
+    if offload:
+        fast = getattr(model, "_nb_fast", None) or FastOptions.from_env()
+        function = functools.partial(offloaded_checkpoint, overlap=fast.offload_overlap, **kwargs)
+    else:
+        function = functools.partial(checkpoint, **kwargs)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = functools.partial(offloaded_checkpoint if offload else checkpoint,
-                                                                    **kwargs)
+            module._gradient_checkpointing_func = function
 
 
 def install_offload(model, offload: bool) -> bool:

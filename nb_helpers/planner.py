@@ -322,7 +322,9 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
             **zero, "activations_kept": kept,
             "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
             "backward_transient": 2 * rb * i * T + 2 * rb * h * T
-            + 2 * max(a * b for a, b in shape.linear_dims().values())},
+            + 2 * max(a * b for a, b in shape.linear_dims().values())
+            # offloaded: the layer below's input is fetched back while this layer's backward runs
+            + (rb * h * T if inp.offload and inp.gradient_checkpointing else 0.0)},
     }
     if not inp.lean:
         # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a

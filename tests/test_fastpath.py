@@ -202,10 +202,11 @@ def test_the_budget_cap_holds_with_expandable_segments():
 
 
 @pytest.mark.gpu
-def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg):
-    """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back: the same dropout masks
-    and inputs give bitwise the same LoRA gradients, and the device holds (layers - 1) x tokens x hidden x 2 bytes
-    less between the forward and the backward."""
+@pytest.mark.parametrize("reentrant,overlap", [(False, False), (False, True), (True, True)])
+def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg, reentrant, overlap):
+    """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back (on the compute stream,
+    or overlapped on a side stream): the same dropout masks and inputs give bitwise the same LoRA gradients, and the
+    device holds (layers - 1) x tokens x hidden x 2 bytes less between the forward and the backward."""
     import functools
 
     import torch
@@ -213,7 +214,7 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
     from nb_helpers.fastpath import offloaded_checkpoint
 
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.enable_input_require_grads()
     model.train()
     layers = fastpath._decoder(model).layers
@@ -226,18 +227,52 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda")  # lets the allocator release inputs whose side-stream copy has finished
         held = torch.cuda.memory_allocated() - before
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.requires_grad], held
 
     plain, plain_held = grads_and_held_bytes()
     for layer in layers:
-        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, use_reentrant=False)
+        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, overlap=overlap,
+                                                               use_reentrant=reentrant)
     offloaded, offloaded_held = grads_and_held_bytes()
-    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded))
+    assert len(plain) > 0 and all(torch.equal(a, b) for a, b in zip(plain, offloaded))
     # every layer's input but the first, which is the embedding output: a leaf that autograd keeps anyway
     checkpoints = (len(layers) - 1) * ids.numel() * hidden * 2
     assert plain_held - offloaded_held >= 0.9 * checkpoints, (plain_held, offloaded_held, checkpoints)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batches(reentrant):
+    """Six checkpointed blocks, two micro-batches (the chain of fetches crosses a forward): while one block's backward
+    runs, the block below is being fetched on the side stream. Gradients must equal the plain checkpoint's bitwise,
+    which they would not if a fetch were read before its copy finished or a freed input were reused too early."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from nb_helpers.fastpath import offloaded_checkpoint
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
+              for _ in range(6)]
+    x0 = torch.randn(8192, 512, device="cuda")
+
+    def grads(offload: bool):
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        for micro in range(2):
+            h = (x0 * (micro + 1.0)).requires_grad_()  # a leaf, as the embedding output is: kept on the card
+            for block in blocks:
+                h = (offloaded_checkpoint(block, h, use_reentrant=reentrant) if offload
+                     else checkpoint(block, h, use_reentrant=reentrant))
+            h.square().mean().backward()
+        return [p.grad.clone() for block in blocks for p in block.parameters()]
+
+    plain, offloaded = grads(False), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, offloaded)) and any(g.abs().sum() > 0 for g in plain)
 
 
 @pytest.mark.gpu
