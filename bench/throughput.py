@@ -66,6 +66,7 @@ def lever_runs(steps: int) -> list[dict]:
         run("shipped", "no-direct-dequant-8x1-no-gc", 8, 1, gc=False, fast="direct_dequant=0"),
         run("w2048", "no-reentrant-offload-8x1", 8, 1, fast="offload=1,reentrant=0"),
         run("w512", "host-profile-8x1-call6", 8, 1, cprofile=True),
+        run("w512", "host-profile-8x1-call8", 8, 1, cprofile=True),
         run("w512", "busy-8x1", 8, 1, profile=True, steps=steps + 1),  # the GPU's busy share at W512
         run("w2048", "offload-same-stream-8x1", 8, 1, fast="offload=1,offload_overlap=0", profile=True,
             steps=steps + 1),
@@ -169,9 +170,10 @@ class HostProfile:
             self.profiler.disable()
             text = io.StringIO()
             stats = pstats.Stats(self.profiler, stream=text)
-            stats.sort_stats("tottime").print_stats(30)
-            stats.sort_stats("cumulative").print_stats(40)
-            self.report = text.getvalue()[-20000:]
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(120)
+            stats.print_callers("synchronize|method 'item'|method 'cpu'|method 'to' of")
+            self.report = text.getvalue()[-60000:]
             self.profiler = None
 
 
