@@ -202,24 +202,30 @@ class _Offloaded:
     """One layer's checkpoint in pinned CPU RAM. `previous` (a weak reference) is the checkpoint packed just before it:
     the layer whose backward comes next, so its copy back can start while this layer's backward runs."""
 
-    __slots__ = ("host", "device", "on_device", "ready", "previous", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "device", "on_device", "ready", "previous", "__weakref__")
 
-    def __init__(self, host, device, previous):
-        self.host, self.device, self.on_device, self.ready, self.previous = host, device, None, None, previous
+    def __init__(self, host, like, previous):
+        self.host, self.shape, self.dtype, self.device = host, like.shape, like.dtype, like.device
+        self.on_device, self.ready, self.previous = None, None, previous
 
     def fetch(self, stream) -> None:
+        """Copy back on the side stream into memory of the compute stream, so that freeing it later is ordered on
+        the compute stream like any activation (no record_stream, no block held back from the allocator). The side
+        stream first waits for the compute queued so far, which may still use the memory handed out here."""
         import torch
 
-        if self.on_device is not None or self.host is None:
+        if self.on_device is not None:
             return
+        self.on_device = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.on_device = self.host.to(self.device, non_blocking=True)
+            self.on_device.copy_(self.host, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(stream)
-        self.host = None  # the copy holds the pinned buffer until it is done (the host allocator records the stream)
 
 
 _COPY_STREAMS: dict = {}
+_IN_FLIGHT: dict = {}  # device -> (the last layer input being copied out, the event that ends its copy)
 _LAST_PACKED: list = [None]  # weak reference to the checkpoint packed last
 
 
@@ -231,16 +237,27 @@ def _copy_stream(device):
     return _COPY_STREAMS[device]
 
 
+def _release_in_flight(device) -> None:
+    """The compute stream waits for the previous layer input's copy to end, then lets that input go: freed in
+    compute-stream order, so the allocator can reuse it at once. The copy had a whole layer's compute to finish."""
+    import torch
+
+    if device in _IN_FLIGHT:
+        _, done = _IN_FLIGHT.pop(device)
+        torch.cuda.current_stream(device).wait_event(done)
+
+
 def _offload_hooks(overlap: bool = True):
     """Saved-tensor hooks that move each checkpointed layer input to pinned host memory and bring it back in the
     backward. transformers' own `offload=True` (torch's save_on_cpu) copies synchronously, which stalls the host at
     every layer: on a host-bound step that is the whole gain.
 
     `overlap` (the default): the copies run on a side stream, so they overlap the layers' compute instead of queueing
-    behind it (at 8 x 2048 on TinyLlama each layer's input is 64 MiB each way). The side stream waits for the
-    compute that produced the input; the input's memory is not reused until its copy is done (record_stream); and the
-    backward, on reaching a layer, starts fetching the one below it, so one more layer input sits on the card then
-    (the planner counts it). Without `overlap`, non-blocking copies on the compute stream: ordered, never overlapped."""
+    behind it (at 8 x 2048 on TinyLlama each layer's input is 64 MiB each way). The side stream waits for the compute
+    that produced an input; the input stays alive until the next layer's input is packed, when the compute stream
+    waits for its copy; and the backward, on reaching a layer, starts fetching the one below it. So one more layer
+    input sits on the card than without overlap (the planner counts it). Without `overlap`: non-blocking copies on
+    the compute stream, ordered, never overlapped."""
     import weakref
 
     import torch
@@ -254,13 +271,16 @@ def _offload_hooks(overlap: bool = True):
         if not overlap:
             host.copy_(tensor, non_blocking=True)
             return tensor.device, host
+        _release_in_flight(tensor.device)
         stream = _copy_stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
-        tensor.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+        _IN_FLIGHT[tensor.device] = (tensor, done)
         last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
-        packed = _Offloaded(host, tensor.device, weakref.ref(last) if last is not None else None)
+        packed = _Offloaded(host, tensor, weakref.ref(last) if last is not None else None)
         _LAST_PACKED[0] = weakref.ref(packed)
         return packed
 
@@ -270,14 +290,14 @@ def _offload_hooks(overlap: bool = True):
         if isinstance(packed, tuple):
             device, host = packed
             return host.to(device, non_blocking=True)
-        stream, compute = _copy_stream(packed.device), torch.cuda.current_stream(packed.device)
+        _release_in_flight(packed.device)
+        stream = _copy_stream(packed.device)
         packed.fetch(stream)
         below = packed.previous() if packed.previous is not None else None
         if below is not None:
             below.fetch(stream)  # the next layer's backward needs it: start its copy now
-        compute.wait_event(packed.ready)
+        torch.cuda.current_stream(packed.device).wait_event(packed.ready)
         tensor, packed.on_device = packed.on_device, None
-        tensor.record_stream(compute)  # allocated on the side stream, used and freed on this one
         return tensor
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

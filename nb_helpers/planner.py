@@ -298,8 +298,9 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
         + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
     if inp.gradient_checkpointing:
-        # offloaded: all but the first layer's input (the embedding output, a leaf autograd keeps) leave the card
-        kept = (1 if inp.offload else L) * rb * h * T
+        # offloaded: the first layer's input (the embedding output, a leaf autograd keeps) stays on the card, and one
+        # more layer input is on it at any time: being copied out in the forward, fetched back early in the backward
+        kept = (2 if inp.offload else L) * rb * h * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
     kept += shared + rb * h * T  # + the final norm's input
@@ -322,9 +323,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
             **zero, "activations_kept": kept,
             "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
             "backward_transient": 2 * rb * i * T + 2 * rb * h * T
-            + 2 * max(a * b for a, b in shape.linear_dims().values())
-            # offloaded: the layer below's input is fetched back while this layer's backward runs
-            + (rb * h * T if inp.offload and inp.gradient_checkpointing else 0.0)},
+            + 2 * max(a * b for a, b in shape.linear_dims().values())},
     }
     if not inp.lean:
         # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
