@@ -38,22 +38,28 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              # issue 11: Qwen3, Gemma 3, Llama-3.2-1B, Phi-4-mini, Qwen2.5 shapes (bench/planner_grid.py --points
              # families); the planner's constants were not refitted on them
              "grid5-families.jsonl": "families, grid"}
-# throughput.json's W512/W2048 runs were measured again at b121a9f (expandable segments on); the runs named
-# "...-at-c8e6f11" are kept from call 1, before expandable segments.
+# throughput.json: the runs of its latest call (2026-12-01, 24fdab3), and under "earlier" those of 2026-11-30 (b121a9f,
+# expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The earlier
+# offloaded runs copied on the compute stream, without the one input the side-stream copies keep in flight, so the
+# planner (which counts it) predicts them about 64 MiB high.
 THROUGHPUT = {"throughput.json": ("lean path, throughput runs", True),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True)}
+EARLIER = ("2026-11-30", "lean path, throughput runs (2026-11-30)")
 BEFORE_EXPANDABLE = "-at-c8e6f11"
 
 
-def flags(fast: str | None, expandable_default: bool, log: list[str] | None = None) -> dict:
+def flags(fast: str | None, expandable_default: bool, log: list[str] | None = None,
+          overlap_before: bool = False) -> dict:
     """PlanInput switches for a run made with NB_FASTPATH=fast. Offloaded checkpoints are read from the run's own
     log, since auto-fit may choose them without NB_FASTPATH saying so."""
     fast = fast or ""
     off = {item.partition("=")[0] for item in fast.split(",") if item.endswith("=0")}
     offload = any("checkpoints offloaded to pinned CPU RAM" in line for line in log or [])
+    # runs before the side-stream copies (2026-11-30 and earlier) copied on the compute stream: no input in flight
+    overlap = "offload_overlap" not in off and not overlap_before
     return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
-                offload=offload)
+                offload=offload, offload_overlap=overlap)
 
 
 def rows():
@@ -74,17 +80,25 @@ def rows():
                 yield role, r, flags(None, True)
     for name, (role, expandable) in THROUGHPUT.items():
         data = json.loads((RESULTS / name).read_text())
-        for workload, entry in data["workloads"].items():
-            if workload == "shipped":  # ragged rows: the planner plans for full-length ones (max_length)
+        yield from throughput_rows(data["workloads"], role, expandable, "")
+        if EARLIER[0] in data.get("earlier", {}):
+            yield from throughput_rows(data["earlier"][EARLIER[0]]["workloads"], EARLIER[1], expandable,
+                                       f"@{EARLIER[0]}")
+
+
+def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str):
+    for workload, entry in workloads.items():
+        if workload == "shipped":  # ragged rows: the planner plans for full-length ones (max_length)
+            continue
+        for run, r in entry["runs"].items():
+            if r.get("recipe") != "ours" or r.get("returncode") != 0:
                 continue
-            for run, r in entry["runs"].items():
-                if r.get("recipe") != "ours" or r.get("returncode") != 0:
-                    continue
-                yield role, dict(id=f"{workload}/{run}", shape="tinyllama-1.1b", seq=entry["seq"], batch=r["micro_batch"],
-                                 accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
-                                 budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
-                                 allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
-                    flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"))
+            yield role, dict(id=f"{workload}/{run}{suffix}", shape="tinyllama-1.1b", seq=entry["seq"],
+                             batch=r["micro_batch"],
+                             accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
+                             budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
+                             allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
+                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"), overlap_before=bool(suffix))
 
 
 def main() -> None:

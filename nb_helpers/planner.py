@@ -127,6 +127,7 @@ class PlanInput:
     expandable: bool = True  # expandable allocator segments (Linux): a flat allocator overhead instead of a share
     adapters_fp32: bool = False  # fastpath's adapters_fp32: fp32 LoRA weights in bf16 runs (lora.adapter_param_bytes)
     offload: bool = False  # with GC: each layer's checkpoint lives in pinned CPU RAM (nb_helpers.fastpath)
+    offload_overlap: bool = True  # the copies overlap the compute: one more layer input on the card (fastpath)
 
     @property
     def tokens(self) -> int:
@@ -298,9 +299,10 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
         + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
     if inp.gradient_checkpointing:
-        # offloaded: the first layer's input (the embedding output, a leaf autograd keeps) stays on the card, and one
-        # more layer input is on it at any time: being copied out in the forward, fetched back early in the backward
-        kept = (2 if inp.offload else L) * rb * h * T
+        # offloaded: the first layer's input (the embedding output, a leaf autograd keeps) stays on the card and, when
+        # the copies overlap the compute, one more layer input: being copied out in the forward, fetched back early
+        # in the backward
+        kept = ((1 + int(inp.offload_overlap)) if inp.offload else L) * rb * h * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
     kept += shared + rb * h * T  # + the final norm's input
@@ -454,7 +456,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
                     fused_kernels=fast.kernels and kernels_installed(), adapters_fp32=fast.adapters_fp32,
                     expandable=fast.expandable and platform.system() == "Linux",
-                    offload=bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
+                    offload=bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
+                    offload_overlap=fast.offload_overlap)
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 
