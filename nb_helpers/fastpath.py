@@ -383,10 +383,21 @@ def apply_fused_lora(model, verbose: bool = True, direct_dequant: bool = True) -
         return False
     from . import fused_lora
 
-    count = fused_lora.install(model, direct_dequant=direct_dequant)
+    count = fused_lora.install(model, direct_dequant=direct_dequant and direct_dequant_available(verbose))
     if verbose:
         say_once("fused-lora-on", f"[fast] {count} 4-bit layers run as fused QLoRA functions (one call each)")
     return count > 0
+
+
+def direct_dequant_available(verbose: bool = True) -> bool:
+    """Whether the fused layers can call bitsandbytes' dequantize kernels directly; if not, says once why."""
+    from . import fused_lora
+
+    reason = fused_lora.direct_kernels_unavailable_reason()
+    if reason is not None and verbose:
+        say_once("direct-dequant", f"[fast] bitsandbytes' dequantize kernels are not reachable directly ({reason}); "
+                                   "using its public dequantize_4bit (same result, more host time per call)")
+    return reason is None
 
 
 # --- compiled decoder layers ------------------------------------------------------------------------------------

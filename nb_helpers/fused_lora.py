@@ -49,20 +49,25 @@ def _dequantize(weight, direct: bool = False):
     return out
 
 
-_KERNELS: list = []  # probed once: [None] or [(absmax kernel, {(dtype, quant type): weight kernel})]
+_KERNELS: list = []  # probed once: [(None, why)] or [((absmax kernel, {(dtype, quant type): weight kernel}), None)]
 
 
 def _direct_kernels():
     if not _KERNELS:
         _KERNELS.append(_probe_kernels())
-    return _KERNELS[0]
+    return _KERNELS[0][0]
+
+
+def direct_kernels_unavailable_reason() -> str | None:
+    """Why bitsandbytes' dequantize kernels cannot be called directly here (then its public dequantize_4bit runs),
+    or None when they can."""
+    _direct_kernels()
+    return _KERNELS[0][1]
 
 
 def _probe_kernels():
-    """bitsandbytes' dequantize kernels with the argument types its CUDA backend declares, or None (a CPU-only or
-    a changed bitsandbytes: the public dequantize_4bit runs instead, said once)."""
-    from .fastpath import say_once
-
+    """bitsandbytes' dequantize kernels with the argument types its CUDA backend declares, and None; or None and why
+    not (a CPU-only or a changed bitsandbytes)."""
     try:
         import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' ctypes argument types
         from bitsandbytes.cextension import lib
@@ -75,10 +80,8 @@ def _probe_kernels():
         if not all(len(k.argtypes or ()) == 7 for k in (absmax_kernel, *weight_kernels.values())):
             raise RuntimeError("their argument types are not the 7 this code passes")
     except Exception as e:  # noqa: BLE001 - any import or attribute change in bitsandbytes' internals
-        say_once("direct-dequant", f"[fast] bitsandbytes' dequantize kernels are not reachable directly "
-                                   f"({type(e).__name__}: {str(e)[:100]}); using its public dequantize_4bit")
-        return None
-    return absmax_kernel, weight_kernels
+        return None, f"{type(e).__name__}: {str(e)[:100]}"
+    return (absmax_kernel, weight_kernels), None
 
 
 class LoRA4bitLinear(torch.autograd.Function):

@@ -86,7 +86,8 @@ def test_direct_dequantize_falls_back_without_cuda_kernels_and_says_so_once(caps
 
     monkeypatch.setattr(fastpath, "_SAID", set())
     monkeypatch.setattr(fused_lora, "_KERNELS", [])
-    assert fused_lora._direct_kernels() is None and fused_lora._direct_kernels() is None
+    assert not fastpath.direct_dequant_available() and not fastpath.direct_dequant_available()
+    assert fused_lora._direct_kernels() is None and fused_lora.direct_kernels_unavailable_reason()
     assert capsys.readouterr().out.count("dequantize kernels are not reachable directly") == 1
 
 
