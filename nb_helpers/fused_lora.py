@@ -11,6 +11,8 @@ call, most of it in peft's and bitsandbytes' wrappers). The math stays the recip
     backward dequantizes W again instead of keeping it, as bitsandbytes does, and computes dA, dB, dx directly.
   * Frozen 4-bit layers (the MLP's gate, up, down): dequantize + matmul in one function, without
     bitsandbytes' per-call bookkeeping.
+  * Dequantization (`_dequantize`): bitsandbytes' own CUDA kernels, called directly; where they are not reachable,
+    its public dequantize_4bit (the same bits, more host time).
 
 Each patched layer falls back to its own forward whenever it is in a state this does not cover (adapters disabled or
 merged, several adapters, DoRA or another variant, mixed-adapter batches).
