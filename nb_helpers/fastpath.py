@@ -81,6 +81,11 @@ class FastOptions:
         return cls(**values)
 
 
+def options_of(model) -> FastOptions:
+    """The levers this model was prepared with (attach_lora records them), else the environment's."""
+    return getattr(model, "_nb_fast", None) or FastOptions.from_env()
+
+
 def gpu_options() -> FastOptions:
     """The levers a GPU run uses (the planner plans for a GPU even on a machine without one)."""
     return FastOptions.from_env(**{k: v for k, v in vars(FastOptions()).items() if k not in _env_keys()})
@@ -318,7 +323,7 @@ def checkpoint_kwargs(model=None) -> dict:
     graph and no saved-tensor hook per saved tensor, which is host time on a host-bound step (measured in
     bench/NOTES.md). They need an input that requires grad: transformers' gradient_checkpointing_enable makes the
     embeddings' output require it."""
-    fast = getattr(model, "_nb_fast", None) or FastOptions.from_env()
+    fast = options_of(model)
     if fast.selective_gc:  # TRL's selective checkpointing works through the non-reentrant variant only
         return {"use_reentrant": False, "selective": True}
     return {"use_reentrant": bool(fast.reentrant)}
@@ -333,8 +338,7 @@ def set_checkpoint_offload(model, offload: bool) -> None:
 
     kwargs = {k: v for k, v in checkpoint_kwargs(model).items() if k == "use_reentrant"}
     if offload:
-        fast = getattr(model, "_nb_fast", None) or FastOptions.from_env()
-        function = functools.partial(offloaded_checkpoint, overlap=fast.offload_overlap, **kwargs)
+        function = functools.partial(offloaded_checkpoint, overlap=options_of(model).offload_overlap, **kwargs)
     else:
         function = functools.partial(checkpoint, **kwargs)
     for module in model.modules():
