@@ -98,7 +98,8 @@ def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str):
                              accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
                              budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
                              allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
-                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"), overlap_before=bool(suffix))
+                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"),
+                      overlap_before=bool(suffix))  # the earlier calls ran before the side-stream copies
 
 
 def main() -> None:

@@ -1,7 +1,11 @@
-"""Device call 7: host and GPU time of one SDPA call per backend, at the fast path's shapes (TinyLlama: 32 heads, 4 KV heads, dim 64)."""
-import time, torch, json
+"""Device call 7: host and GPU time of one SDPA call per backend, at the fast path's shapes (TinyLlama: 32 heads,
+4 KV heads, head dim 64), and which kernels the default picks. `python bench/sdpa_probe.py` on a CUDA GPU."""
+import time
+
+import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel, SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 dev = "cuda"
 out = {}
 def timeit(fn, n=30):

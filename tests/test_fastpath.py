@@ -228,7 +228,7 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
         before = torch.cuda.memory_allocated()
         loss = model(input_ids=ids, labels=ids).loss
         torch.cuda.synchronize()
-        torch.empty(1, device="cuda")  # lets the allocator release inputs whose side-stream copy has finished
+        torch.empty(1, device="cuda")  # a malloc processes the allocator's pending frees, should any be left
         held = torch.cuda.memory_allocated() - before
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.requires_grad], held
@@ -353,7 +353,7 @@ def test_reentrant_checkpoints_give_the_gradients_of_the_plain_ones(tiny_cfg):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7) and torch.allclose(a, c, rtol=1e-5, atol=1e-7)
 
 
-def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg, monkeypatch):
+def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg):
     """A reentrant checkpoint passes no gradient through unless its input requires one: transformers' checkpointing
     switch (which the trial step turns on, as the Trainer does) makes the embeddings' output require it, so the
     trial's backward reaches the adapters as training's does."""
@@ -361,9 +361,7 @@ def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg, monkeypat
 
     from nb_helpers.training import trial_step
 
-    monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1")
-    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, reentrant=True))
-    model._nb_fast = FastOptions(lean=True, kernels=False, nomask=False, reentrant=True)
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, reentrant=True))  # kept on the model
     seen = []
     for p in model.parameters():
         if p.requires_grad:
