@@ -60,6 +60,14 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
+        run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
+        # tenth device call: checkpointed layers as CUDA graphs are the default; taken out again, and GC off as before
+        run("w512", "no-graphs-8x1", 8, 1, fast="graphs=0"),
+        run("shipped", "no-graphs-8x1-no-gc", 8, 1, gc=False, fast="graphs=0"),
+        run("shipped", "no-graphs-8x1", 8, 1, fast="graphs=0"),
+        run("w512", "graphs-busy-8x1", 8, 1, profile=True, steps=steps + 1),
+        run("w512", "graphs-host-profile-8x1", 8, 1, cprofile=True),
         # sixth device call: reentrant checkpoints and direct dequantization are the default; each taken out alone
         run("w512", "no-reentrant-8x1", 8, 1, fast="reentrant=0"),
         run("w512", "no-direct-dequant-8x1", 8, 1, fast="direct_dequant=0"),

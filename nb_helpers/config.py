@@ -62,6 +62,8 @@ class RunConfig:
     gradient_checkpointing: bool = True  # recompute activations: less memory, ~30% more compute
     offload_checkpoints: bool = False  # GPU + GC: keep each layer's checkpoint in CPU RAM (layers x tokens x hidden
     #                                    x 2 bytes off the card); for long rows or bigger micro-batches. auto_fit decides
+    cuda_graphs: bool = True  # GPU + GC: replay each checkpointed layer as a CUDA graph (far less host time a step,
+    #                           one layer's working memory more); auto_fit turns it off where it does not fit
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
     max_length: int = 512  # tokens per sequence; longer costs activation memory

@@ -62,6 +62,7 @@ class FastOptions:
     offload_overlap: bool = True  # offload copies on a side stream, overlapping compute (else on the compute stream)
     reentrant: bool = True  # reentrant checkpoints: the forward runs under no_grad, with no saved-tensor hooks; GPU
     direct_dequant: bool = True  # bitsandbytes' dequantize kernels called directly (no per-call wrapper); CUDA
+    graphs: bool = True  # checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers); CUDA, reentrant
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -71,7 +72,7 @@ class FastOptions:
 
         gpu = torch.cuda.is_available()
         values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu, "reentrant": gpu,
-                  "direct_dequant": gpu}
+                  "direct_dequant": gpu, "graphs": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:
@@ -329,21 +330,56 @@ def checkpoint_kwargs(model=None) -> dict:
     return {"use_reentrant": bool(fast.reentrant)}
 
 
+def graphs_on(model=None) -> bool:
+    """Whether this model's checkpointed layers run as CUDA graphs: the lever, a GPU, reentrant checkpoints (the
+    graphs are the reentrant checkpoint's two halves), not TRL's selective variant, and the run's choice
+    (RunConfig.cuda_graphs, which attach_lora and auto-fit record as `model._nb_use_graphs`)."""
+    import torch
+
+    fast = options_of(model)
+    return bool(fast.graphs and fast.reentrant and not fast.selective_gc and torch.cuda.is_available()
+                and getattr(model, "_nb_use_graphs", True))
+
+
 def set_checkpoint_offload(model, offload: bool) -> None:
-    """Point every checkpointed layer at the offloaded (or the plain) checkpoint function, with this run's
-    checkpoint_kwargs."""
+    """Point every checkpointed layer at its checkpoint function, with this run's checkpoint_kwargs: offloaded to
+    CPU RAM, replayed as CUDA graphs (graphs_on), or torch's plain checkpoint."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
     kwargs = {k: v for k, v in checkpoint_kwargs(model).items() if k == "use_reentrant"}
+    graphs, overlap = graphs_on(model), options_of(model).offload_overlap
     if offload:
-        function = functools.partial(offloaded_checkpoint, overlap=options_of(model).offload_overlap, **kwargs)
+        function = functools.partial(offloaded_checkpoint, overlap=overlap, **kwargs)
     else:
         function = functools.partial(checkpoint, **kwargs)
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = function
+            module._gradient_checkpointing_func = (_graphed_function(module, overlap if offload else None) if graphs
+                                                   else function)
+
+
+def _graphed_function(layer, offload_overlap: bool | None = None):
+    """The layer's graphed checkpoint, its saved input offloaded to CPU RAM unless `offload_overlap` is None (the
+    same saved-tensor hooks as offloaded_checkpoint). Its graphs live as long as the layer (graphed_layers.reset
+    drops them)."""
+    import functools
+
+    from .graphed_layers import LayerGraphs, graphed_checkpoint
+
+    if getattr(layer, "_nb_graphs", None) is None:
+        layer._nb_graphs = LayerGraphs(layer)
+    if offload_overlap is None:
+        return functools.partial(graphed_checkpoint, graphs=layer._nb_graphs)
+    return functools.partial(_offloaded_graphed_checkpoint, graphs=layer._nb_graphs, overlap=offload_overlap)
+
+
+def _offloaded_graphed_checkpoint(function, *args, graphs, overlap: bool, **kwargs):
+    from .graphed_layers import graphed_checkpoint
+
+    with _offload_hooks(overlap=overlap):
+        return graphed_checkpoint(function, *args, graphs=graphs, **kwargs)
 
 
 def install_offload(model, offload: bool) -> bool:
@@ -368,9 +404,12 @@ def install_offload(model, offload: bool) -> bool:
     def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
         kwargs.pop("offload", None)
         enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+        if model._nb_offload or graphs_on(model):
+            set_checkpoint_offload(model, model._nb_offload)
         if model._nb_offload:
-            set_checkpoint_offload(model, True)
             say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
+        if graphs_on(model):
+            say_once("graphs-on", "[fast] checkpointed layers replayed as CUDA graphs (captured once per shape)")
 
     model.gradient_checkpointing_enable = enable_with_offload
     return True

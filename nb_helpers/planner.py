@@ -97,6 +97,9 @@ LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 # torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on Hopper and newer, else
 # 4096 KiB x 2 + 16 KiB x 8. The forward (main thread) and the autograd thread each hold one handle.
 CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
+# CUDA-graphed layers (nb_helpers.graphed_layers): outside their memory pool and buffers, the capture stream's own
+# cuBLAS workspace and the graphs themselves. H200 measurement (bench/NOTES.md, call 11)
+GRAPH_OVERHEAD_GIB = 0.10
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Families the GPU path runs with liger's fused RMSNorm and SwiGLU (nb_helpers.fastpath wires Llama only); the others
 # run the stock layers whatever PlanInput.fused_kernels says.
@@ -128,6 +131,7 @@ class PlanInput:
     adapters_fp32: bool = False  # fastpath's adapters_fp32: fp32 LoRA weights in bf16 runs (lora.adapter_param_bytes)
     offload: bool = False  # with GC: each layer's checkpoint lives in pinned CPU RAM (nb_helpers.fastpath)
     offload_overlap: bool = True  # the copies overlap the compute: one more layer input on the card (fastpath)
+    graphs: bool = False  # checkpointed layers as CUDA graphs (nb_helpers.graphed_layers; not with offload)
 
     @property
     def tokens(self) -> int:
@@ -195,6 +199,7 @@ COMPONENT_LABELS = {
     "logits_loss": "LM head + loss (fused)",
     "backward_transient": "backward temporaries",
     "allocator": "allocator overhead",
+    "graphs": "CUDA graphs (pool, buffers)",
 }
 
 
@@ -314,6 +319,17 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
         head_tiles *= 2
     if not inp.lean:  # the fp32 head's slice and the fp32 hidden states are cast to the compute dtype per tile
         head_tiles += min(LOGPROB_VOCAB_TILE, shape.vocab) * h * compute + tile_tokens * h * compute
+    graphed = inp.graphs and inp.gradient_checkpointing
+    c["graphs"] = 0.0
+    layer_backward = {"layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
+                      "backward_transient": 2 * rb * i * T + 2 * rb * h * T
+                      + 2 * max(a * b for a, b in shape.linear_dims().values())}
+    if graphed:
+        # One memory pool holds a layer's recompute and backward for every graph, all the time; the layers share
+        # buffers for their inputs and outputs (two hidden states). Only the gradients copied out of the pool are
+        # left to the allocator during the backward.
+        c["graphs"] = sum(layer_backward.values()) + 2 * rb * h * T + GRAPH_OVERHEAD_GIB * GIB
+        layer_backward = {"layer_recompute": 0.0, "backward_transient": 2 * rb * h * T}
     # The phases where the peak can fall; the largest wins.
     zero = {"activations_kept": 0.0, "layer_recompute": 0.0, "logits_loss": 0.0, "backward_transient": 0.0,
             "upcast": 0.0}
@@ -321,11 +337,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
         "the loss": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * T + 8 * 4 * N},
         "the loss backward": {**zero, "activations_kept": kept, "logits_loss": head_saved + head_tiles + rb * h * N,
                               "backward_transient": rb * h * T},
-        "the last layer's backward": {
-            **zero, "activations_kept": kept,
-            "layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
-            "backward_transient": 2 * rb * i * T + 2 * rb * h * T
-            + 2 * max(a * b for a, b in shape.linear_dims().values())},
+        "the last layer's backward": {**zero, "activations_kept": kept, **layer_backward},
     }
     if not inp.lean:
         # prepare_model_for_kbit_training casts the 16-bit embedding (and head) to fp32 one tensor at a time: for a
@@ -370,30 +382,39 @@ class Candidate:
     predicted_gib: float
     relative_step_cost: float
     offload: bool = False
+    graphs: bool = False
 
     def describe(self) -> str:
         gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
-        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc} "
+        graphs = ", layers as CUDA graphs" if self.graphs and self.gradient_checkpointing else ""
+        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc}{graphs} "
                 f"(predicted {self.predicted_gib:.2f} GiB)")
 
 
 def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
                margin: float = FIT_MARGIN, offload_allowed: bool = True) -> list[Candidate]:
     """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
-    RAM (where `offload_allowed`), predicted to fit the budget (less the margin), best expected throughput first."""
-    out = []
+    RAM (where `offload_allowed`), predicted to fit the budget (less the margin), best expected throughput first.
+    With `base.graphs`, the checkpointed ones as CUDA graphs come first: a graphed layer costs the host one launch
+    where an eager one costs hundreds, and the step is bound by the host (bench/NOTES.md: 2x at 8 x 512 on an
+    H200), so any graphed choice that fits beats the eager ones; the eager ones follow, for budgets graphs miss."""
     modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
-    for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
-        for gc, offload in modes:
-            inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
-                               "gradient_checkpointing": gc, "offload": offload})
-            predicted = plan(shape, inp).peak_gib
-            if predicted > budget_gib * (1 - margin):
-                continue
-            factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
-            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
-            out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload))
-    return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
+    graphed = [(True, offload, True) for gc, offload in modes if gc] if base.graphs else []
+    out = []
+    for group, group_modes in enumerate((graphed, [(gc, offload, False) for gc, offload in modes])):
+        found = []
+        for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
+            for gc, offload, graphs in group_modes:
+                inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
+                                   "gradient_checkpointing": gc, "offload": offload, "graphs": graphs})
+                predicted = plan(shape, inp).peak_gib
+                if predicted > budget_gib * (1 - margin):
+                    continue
+                factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
+                cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
+                found.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
+        out += sorted(found, key=lambda c: (c.relative_step_cost, c.predicted_gib))
+    return out
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
@@ -406,7 +427,8 @@ def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: fl
     options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed)
     if not options:
         smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
-                                            "gradient_checkpointing": True, "offload": offload_allowed}))
+                                            "gradient_checkpointing": True, "offload": offload_allowed,
+                                            "graphs": False}))
         raise MemoryError(f"nothing fits {budget_gib:.2f} GiB: even micro-batch 1 with gradient checkpointing is "
                           f"predicted at {smallest.peak_gib:.2f} GiB ({smallest.peak_phase}). Lower max_length "
                           f"(now {base.seq}), the LoRA rank or targets, or pick a smaller model")
@@ -457,7 +479,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     fused_kernels=fast.kernels and kernels_installed(), adapters_fp32=fast.adapters_fp32,
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
-                    offload_overlap=fast.offload_overlap)
+                    offload_overlap=fast.offload_overlap,
+                    graphs=cfg.cuda_graphs and fast.graphs and fast.reentrant and not fast.selective_gc)
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 

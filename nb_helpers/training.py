@@ -27,7 +27,7 @@ from . import distributed
 from .config import ConfigError, RunConfig
 from .data import load_train_eval, longest_row_tokens, to_dataset
 from .dtypes import resolve_compute_dtype
-from .fastpath import checkpoint_kwargs
+from .fastpath import checkpoint_kwargs, graphs_on
 from .lora import check_targets, lora_config, parameter_counts
 from .memory import record_nvml_baseline
 from .metrics import MetricsCallback, read_metrics
@@ -223,6 +223,10 @@ def fit_to_budget(run: TrainingRun, verbose: bool = True) -> None:
     seq = min(run.cfg.max_length, longest_row_tokens(run.train_rows, run.tokenizer))
     if verbose and seq < run.cfg.max_length:
         print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
+    if graphs_on(run.model):  # batches are padded to a multiple of the graphs' length step: fit for that length
+        from .graphed_layers import padded_length
+
+        seq = padded_length(seq)
     context = run.summary.get("cuda_context_gib")
     fitted = error = None
     if distributed.is_main():
@@ -326,6 +330,8 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
         include_num_input_tokens_seen="non_padding",
+        # CUDA-graphed layers replay one graph per shape: lengths padded to a multiple of 64 make a few shapes
+        pad_to_multiple_of=graph_pad_multiple(run.model),
         report_to="none",
         data_seed=cfg.seed,
         use_cpu=not cuda,
@@ -338,6 +344,15 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         # config and its own batch (RoPE's inv_freq, Gemma's embed_scale), nothing is learned
         ddp_broadcast_buffers=False if run.world_size > 1 else None,
     )
+
+
+def graph_pad_multiple(model) -> int | None:
+    """The collator's length step where the layers run as CUDA graphs (one graph per shape), else None."""
+    if not graphs_on(model):
+        return None
+    from .graphed_layers import PAD_MULTIPLE
+
+    return PAD_MULTIPLE
 
 
 def build_trainer(run: TrainingRun):
@@ -367,6 +382,7 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
         # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the
         # map_location of a resumed run's optimizer state; "cpu" is the same memory.
         trainer.args.__dict__["_setup_devices"] = type(device)("cpu")
+    trainer.floating_point_ops = flops_counter(run.model)
     fast = getattr(run.model, "_nb_fast", None)
     if fast is not None and fast.nomask:
         from .fastpath import guard_collator
@@ -379,6 +395,16 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
         for param in run.model.parameters():
             if param.requires_grad:
                 param.data = param.data.float()
+
+
+def flops_counter(model):
+    """The Trainer's FLOPs count (6 x tokens x parameters, transformers' estimate) with the parameters counted once:
+    transformers counts them again at every step, a walk over every module (host time on a fast GPU)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "floating_point_ops"):
+        return lambda inputs: 0
+    params = base.num_parameters(exclude_embeddings=True)
+    return lambda inputs: 6 * base.estimate_tokens(inputs) * params
 
 
 def evaluate_before(run: TrainingRun, trainer) -> dict:
@@ -455,7 +481,7 @@ def stop_after_oom(run: TrainingRun, trainer) -> None:
     """Hand the memory back (the notebook kernel keeps running), record the stop, and say which knob to turn."""
     run.metrics.close()
     release_trainer(trainer)
-    run.model = run.last_good.model = run.last_good.state = None
+    run.model = run.last_good.model = run.last_good.state = run.last_good.params = None
     gc.collect()
     if distributed.is_main():
         write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "oom"})
@@ -558,7 +584,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         compile_layers(model)
     install_offload(model, bool(cfg.offload_checkpoints or fast.offload or fast.offload_sync)
                     and cfg.gradient_checkpointing)
-    model._nb_fast = fast
+    model._nb_fast, model._nb_use_graphs = fast, cfg.cuda_graphs
     return model
 
 
@@ -578,12 +604,15 @@ def progress_printer(total_steps: int, every: int):
     return show
 
 
-def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False) -> None:
+def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False,
+               graphs: bool = False) -> None:
     """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
-    padded last row as real batches have; the gradients are dropped afterwards."""
+    padded last row as real batches have; the gradients are dropped afterwards. With `graphs` the layers are
+    captured as CUDA graphs, so the measured peak includes their memory pool."""
     import torch
     from trl.trainer.utils import add_fused_lm_head
 
+    model._nb_use_graphs = graphs
     if checkpointing:
         from .fastpath import set_checkpoint_offload
 
@@ -629,10 +658,14 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
 
     def trial(option) -> float | None:
         try:
-            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload)
+            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload,
+                       option.graphs)
             torch.cuda.synchronize()
             return memory_snapshot()["device_used_gib"]
         finally:
+            from .graphed_layers import reset
+
+            reset()  # the trial's graphs (and their memory pool): training captures its own
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -640,7 +673,8 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
                       log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"))
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
-    model._nb_offload = choice.offload
+    model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs
     torch.cuda.reset_peak_memory_stats()
     return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
-                       gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload)
+                       gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
+                       cuda_graphs=choice.graphs)

@@ -199,6 +199,25 @@ def test_candidates_keep_the_effective_batch_and_prefer_fewer_micro_steps():
     assert options[0].accum <= options[-1].accum
 
 
+def test_graphed_candidates_come_first_and_eager_ones_remain_for_tight_budgets():
+    """With CUDA graphs every checkpointed choice is offered graphed first (the host-bound step is where the time
+    goes), then the eager ones; a graph's memory pool is counted, so a budget too tight for it leaves eager ones."""
+    base = PlanInput(seq=512, graphs=True, context_gib=0.6, gpu_capability=(9, 0))
+    options = candidates(TINYLLAMA, base, effective_batch=8, budget_gib=4.0)
+    kinds = [o.graphs for o in options]
+    assert kinds[0] and kinds == sorted(kinds, reverse=True) and not kinds[-1]
+    assert all(o.gradient_checkpointing for o in options if o.graphs)
+    assert "layers as CUDA graphs" in options[0].describe()
+    graphed, eager = (planner.plan(TINYLLAMA, PlanInput(**{**vars(base), "batch": 8, "accum": 1, "graphs": g}))
+                      for g in (True, False))
+    assert graphed.components["graphs"] > 0 and eager.components["graphs"] == 0
+    assert graphed.peak_gib > eager.peak_gib
+    tight = eager.peak_gib / (1 - planner.FIT_MARGIN) + 0.01  # 8 x 1 fits eagerly only
+    first = candidates(TINYLLAMA, base, effective_batch=8, budget_gib=tight)
+    assert any((o.batch, o.graphs) == (8, False) for o in first)
+    assert not any((o.batch, o.graphs, o.offload) == (8, True, False) for o in first)
+
+
 def test_auto_fit_steps_down_on_oom_and_says_so():
     class FakeOutOfMemoryError(RuntimeError):
         pass

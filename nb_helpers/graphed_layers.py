@@ -1,0 +1,353 @@
+"""Checkpointed decoder layers replayed as CUDA graphs: one launch per layer instead of a few hundred.
+
+At 8 x 512 tokens on an H200 the GPU was busy 29% of a training step (bench/NOTES.md); the rest was the host
+launching about 4,600 kernels through Python, autograd and bitsandbytes. A checkpointed layer is a pure function
+of its inputs: its forward runs without autograd, and its backward recomputes the forward and differentiates it.
+So both halves are captured once per input shape and replayed from then on:
+
+  * forward graph: the layer under no_grad, from static input buffers into a static output buffer;
+  * backward graph: the recompute and its gradients (for the layer's input and its LoRA weights).
+
+The math is the reentrant checkpoint's: the same kernels, and the same dropout masks, because the CUDA generator is
+rewound to its forward state before the recompute, as torch's checkpoint does (graph replays read the generator's
+seed and offset when they run). The first call of a shape runs once eagerly, as warm-up (Triton autotuning, cuBLAS
+and cuDNN set-up must not happen inside a capture), and is then captured.
+
+What graphs need, and what happens otherwise:
+  * static shapes: the training collator pads each batch to a multiple of PAD_MULTIPLE tokens (no attention mask:
+    a causal model's real tokens never see the right padding), so a run meets a handful of shapes; past MAX_SHAPES
+    per layer, new shapes run eagerly;
+  * tensors and simple values as the layer's arguments; anything else (a cache object) runs eagerly;
+  * a capture that fails (an operation that cannot be captured) leaves that layer eager, said once with the reason.
+All graphs share one memory pool, and layers of one shape share their input and output buffers, so the cost is one
+layer's working memory plus five hidden-state-sized buffers per shape (the planner counts it: `graph_pool`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+PAD_MULTIPLE = 64  # tokens: shapes a run meets (8 x 512 rows: one; the shipped data, 8 x ~110: 128 and rarely 64)
+MAX_SHAPES = 8  # graphs kept per layer; a run with more shapes than this replays the first ones, the rest run eagerly
+_SIMPLE = (type(None), bool, int, float, str)
+_SAID: set = set()
+
+
+def padded_length(tokens: int) -> int:
+    """The length a batch whose longest row has `tokens` tokens is padded to (the collator's pad_to_multiple_of)."""
+    return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def _say_once(key: str, message: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, flush=True)
+
+
+class _Shared:
+    """Per device: the side stream captures run on, the one memory pool, and the buffers per input signature."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buffers: dict = {}
+
+
+_SHARED: dict = {}
+
+
+def _shared(device) -> _Shared:
+    if device.index not in _SHARED:
+        _SHARED[device.index] = _Shared(device)
+    return _SHARED[device.index]
+
+
+def reset() -> None:
+    """Drop every graph and buffer (after auto-fit's trial steps, or weights that moved): their memory goes back."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for layer_graphs in list(LayerGraphs.live):
+        layer_graphs.entries.clear()
+    _SHARED.clear()
+
+
+def graph_count() -> int:
+    """Captured graphs alive (forward and backward counted apart)."""
+    return sum((e.forward is not None) + (e.backward is not None)
+               for g in LayerGraphs.live for e in g.entries.values() if e is not None)
+
+
+class LayerGraphs:
+    """One decoder layer's graphs, one entry per input signature; no entry (None) means: run eagerly."""
+
+    live: "weakref.WeakSet[LayerGraphs]" = weakref.WeakSet()
+
+    def __init__(self, layer):
+        self.layer_name = type(layer).__name__
+        self.entries: dict = {}
+        LayerGraphs.live.add(self)
+
+    def entry(self, key):
+        if key not in self.entries:
+            if len(self.entries) >= MAX_SHAPES:
+                _say_once("graph-shapes", f"[fast] a layer met more than {MAX_SHAPES} input shapes: new shapes run "
+                                          "without CUDA graphs (pad batches to fewer lengths to keep them)")
+                return None
+            self.entries[key] = _Entry()
+        return self.entries[key]
+
+
+class _Entry:
+    def __init__(self):
+        self.forward = self.backward = None  # torch.cuda.CUDAGraph, once captured
+        self.failed = False
+        self.buffers = self.out_spec = None
+        self.param_grads: list = []
+
+
+class _Buffers:
+    """Static inputs and outputs for one input signature, shared by every layer of that shape and class: each
+    replay's results are copied out before the next layer replays. Two hidden states' worth: the backward graph
+    reads the output gradients where the forward graph writes its outputs, and writes the input gradients where the
+    inputs were, once the recompute has read them."""
+
+    def __init__(self, tensors, outputs):
+        self.inputs = [torch.empty_like(t) for t in tensors]
+        self.outputs = [torch.empty_like(o) for o in outputs]
+        self.grad_outputs = self.outputs
+        self.grad_inputs = [buffer if t.requires_grad else None for t, buffer in zip(tensors, self.inputs)]
+
+
+def _signature(leaves, params):
+    """The graph key of one call: tensor shapes, dtypes, grad flags and devices, the other arguments' values, the
+    autocast state, and where the trainable weights live. None when an argument is neither a tensor nor simple."""
+    tensors, values = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append((tuple(leaf.shape), leaf.dtype, leaf.requires_grad, leaf.device.type, leaf.device.index))
+        elif isinstance(leaf, _SIMPLE):
+            values.append(leaf)
+        else:
+            return None
+    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    return tuple(tensors), tuple(values), autocast, tuple(p.data_ptr() for p in params)
+
+
+def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
+    """A reentrant checkpoint of `function(*args, **kwargs)` (transformers passes the layer's call with its keyword
+    arguments bound), replayed from CUDA graphs for input shapes it has met before."""
+    if isinstance(function, functools.partial):
+        function, args, kwargs = function.func, function.args + args, {**function.keywords, **kwargs}
+    layer = getattr(function, "__self__", None)
+    owners = [(module, name) for module in (layer.modules() if layer is not None else ())
+              for name, p in module._parameters.items() if p is not None and p.requires_grad]
+    params = [module._parameters[name] for module, name in owners]
+    leaves, spec = tree_flatten((args, kwargs))
+    plan = _Plan(function, spec, leaves, graphs, _signature(leaves, params))
+    plan.owners = owners
+    flat_out = _GraphedCheckpoint.apply(plan, *plan.tensors, *params)
+    return tree_unflatten(list(flat_out), plan.out_spec)
+
+
+class _Plan:
+    """One call: how to rebuild the layer's arguments from its tensors, and its graph entry (None: eager)."""
+
+    def __init__(self, function, spec, leaves, graphs, signature):
+        self.function, self.spec, self.graphs = function, spec, graphs
+        self.mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self.others = [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        on_cuda = signature is not None and all(t[3] == "cuda" for t in signature[0]) and bool(signature[0])
+        self.entry = graphs.entry(signature) if on_cuda else None
+        self.out_spec = self.entry.out_spec if self.entry is not None else None
+        if signature is None:
+            _say_once("graph-args", f"[fast] {graphs.layer_name} was called with a value a CUDA graph cannot take "
+                                    "as an input: it runs without graphs (same math)")
+
+    def call(self, tensors):
+        tensor_it, other_it = iter(tensors), iter(self.others)
+        leaves = [next(tensor_it) if is_tensor else next(other_it) for is_tensor in self.mask]
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        flat, self.out_spec = tree_flatten(self.function(*args, **kwargs))
+        return flat
+
+
+def _generator(tensors):
+    """The generator dropout draws from: the device's CUDA generator, else the CPU's."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    return torch.cuda.default_generators[device.index] if device is not None else torch.default_generator
+
+
+class _GraphedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, *tensors_and_params):
+        tensors = tensors_and_params[:len(plan.tensors)]
+        ctx.plan, ctx.params = plan, tensors_and_params[len(plan.tensors):]
+        ctx.generator = _generator(tensors)
+        ctx.rng = ctx.generator.get_state()
+        ctx.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        ctx.save_for_backward(*tensors)
+        ctx.needs = [t.requires_grad for t in tensors]
+        entry = plan.entry
+        if entry is not None and not entry.failed and entry.forward is None:
+            _capture_forward(plan, entry, tensors, ctx)
+        if entry is not None and entry.forward is not None:
+            for buffer, tensor in zip(entry.buffers.inputs, tensors):
+                buffer.copy_(tensor)
+            entry.forward.replay()
+            plan.out_spec = entry.out_spec
+            return tuple(out.clone() for out in entry.buffers.outputs)
+        return tuple(plan.call(tensors))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        plan, entry, tensors = ctx.plan, ctx.plan.entry, ctx.saved_tensors
+        graphed = entry is not None and entry.forward is not None and not entry.failed
+        if graphed and entry.backward is None:
+            _capture_backward(plan, entry, tensors, grad_outputs, ctx)
+        now = ctx.generator.get_state()
+        ctx.generator.set_state(ctx.rng)  # the recompute draws the forward's dropout masks
+        try:
+            if entry is not None and entry.backward is not None:
+                grads = _replay_backward(entry, tensors, grad_outputs)
+            else:
+                input_grads, param_grads = _differentiate(plan, tensors, ctx.needs, grad_outputs, ctx.autocast)
+                grads = input_grads + param_grads
+        finally:
+            ctx.generator.set_state(now)
+        return (None, *grads)
+
+
+def _autocast(state):
+    enabled, dtype = state
+    return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)
+
+
+@contextmanager
+def _aliased_weights(owners):
+    """The layer's trainable weights swapped for detached aliases (the same storage) while the recompute runs: its
+    gradients are then taken for tensors born on the stream that runs it, not for the Parameters, whose gradient
+    accumulators the outer autograd graph holds on the default stream (a cross-stream wait inside a capture)."""
+    swapped = []
+    try:
+        for module, name in owners:
+            param = module._parameters[name]
+            module._parameters[name] = param.detach().requires_grad_()
+            swapped.append((module, name, param))
+        yield [module._parameters[name] for module, name, _ in swapped]
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def _differentiate(plan, tensors, needs, grad_outputs, autocast):
+    """The recompute and its gradients: for each input (None where it needs none), then for the trainable weights."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+    with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
+        outputs = plan.call(inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        wrt = [t for t in inputs if t.requires_grad] + weights
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+    return [next(grads) if t.requires_grad else None for t in inputs], list(grads)
+
+
+# --- capture and replay -----------------------------------------------------------------------------------------
+def _on_side_stream(run, device, graph=None) -> None:
+    """Run `run` on the capture stream (capturing it into `graph` when given), ordered after the current stream's
+    work and before what the current stream does next."""
+    shared = _shared(device)
+    current = torch.cuda.current_stream(device)
+    shared.stream.wait_stream(current)
+    with torch.cuda.stream(shared.stream):
+        if graph is None:
+            run()
+        else:
+            graph.capture_begin(pool=shared.pool, capture_error_mode="thread_local")
+            try:
+                run()
+            finally:
+                graph.capture_end()
+    current.wait_stream(shared.stream)
+
+
+def _fail(entry, plan, error) -> None:
+    entry.failed, entry.forward, entry.backward = True, None, None
+    _say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
+                            f"({type(error).__name__}: {str(error)[:160]}); it runs without graphs (same math)")
+
+
+def _capture_forward(plan, entry, tensors, ctx) -> None:
+    """Warm the layer up once (its outputs' shapes, autotuning), then capture it; the generator is rewound after."""
+    device = tensors[0].device
+    outputs: list = []
+
+    def run():
+        with torch.no_grad(), _autocast(ctx.autocast):
+            flat = plan.call(entry.buffers.inputs if entry.buffers else tensors)
+        if entry.buffers is None:
+            outputs.extend(flat)
+        else:
+            for buffer, out in zip(entry.buffers.outputs, flat):
+                buffer.copy_(out)
+
+    try:
+        _on_side_stream(run, device)
+        entry.out_spec = plan.out_spec
+        key = (plan.graphs.layer_name, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors))
+        buffers = _shared(device).buffers
+        entry.buffers = buffers.get(key) or buffers.setdefault(key, _Buffers(tensors, outputs))
+        del outputs[:]
+        ctx.generator.set_state(ctx.rng)
+        entry.forward = torch.cuda.CUDAGraph()
+        _on_side_stream(run, device, entry.forward)
+    except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
+        _fail(entry, plan, error)
+    finally:
+        ctx.generator.set_state(ctx.rng)
+
+
+def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
+    buffers, device = entry.buffers, tensors[0].device
+    for buffer, tensor in zip(buffers.inputs, tensors):
+        buffer.copy_(tensor)
+    for buffer, grad in zip(buffers.grad_outputs, grad_outputs):
+        buffer.copy_(grad)
+    entry.param_grads = [torch.empty_like(p) for p in ctx.params]
+
+    def run():
+        input_grads, param_grads = _differentiate(plan, buffers.inputs, ctx.needs, buffers.grad_outputs,
+                                                  ctx.autocast)
+        for buffer, grad in zip(buffers.grad_inputs, input_grads):
+            if buffer is not None:
+                buffer.copy_(grad)
+        for buffer, grad in zip(entry.param_grads, param_grads):
+            buffer.zero_() if grad is None else buffer.copy_(grad)
+
+    saved = ctx.generator.get_state()
+    try:
+        ctx.generator.set_state(ctx.rng)
+        _on_side_stream(run, device)  # warm-up: the backward's kernels autotune outside the capture
+        ctx.generator.set_state(ctx.rng)
+        entry.backward = torch.cuda.CUDAGraph()
+        _on_side_stream(run, device, entry.backward)
+    except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
+        _fail(entry, plan, error)
+    finally:
+        ctx.generator.set_state(saved)
+
+
+def _replay_backward(entry, tensors, grad_outputs):
+    buffers = entry.buffers
+    for buffer, tensor in zip(buffers.inputs, tensors):
+        buffer.copy_(tensor)
+    for buffer, grad in zip(buffers.grad_outputs, grad_outputs):
+        buffer.copy_(grad)
+    entry.backward.replay()
+    # input gradients live in buffers every layer of this shape shares: copied out before the next layer replays;
+    # the params' gradients are this layer's own buffers, which autograd adds into .grad right away
+    return [None if b is None else b.clone() for b in buffers.grad_inputs] + list(entry.param_grads)

@@ -1,0 +1,114 @@
+"""CUDA-graphed checkpoints (nb_helpers.graphed_layers): the eager half runs anywhere and must give torch's reentrant
+checkpoint's gradients; the graphs themselves (GPU, marked) must give the eager gradients and losses."""
+
+import pytest
+
+from nb_helpers import fastpath
+from nb_helpers.fastpath import FastOptions
+
+
+def _tiny(tiny_cfg, fast):
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.training import attach_lora
+
+    return attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg, fast=fast)
+
+
+def _grads(model, ids, use_function=None):
+    """LoRA gradients of one forward and backward (same seed), through torch's reentrant checkpoint or, given
+    `use_function(layer)`, each layer's own checkpoint function."""
+    import torch
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if use_function is not None:
+        for layer in fastpath._decoder(model).layers:
+            layer._gradient_checkpointing_func = use_function(layer)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_graphed_checkpoint_without_graphs_gives_torchs_reentrant_gradients(tiny_cfg, monkeypatch):
+    """On a CPU no graph is captured: the function is a reentrant checkpoint of its own (the forward without
+    autograd, the recompute with the forward's dropout masks), and its LoRA gradients equal torch's."""
+    import torch
+
+    from nb_helpers.graphed_layers import graph_count
+
+    model = _tiny(tiny_cfg.replace(lora_dropout=0.1), FastOptions(lean=True, kernels=False, nomask=False))
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss, torch_grads = _grads(model, ids)
+    graphed_loss, graphed_grads = _grads(model, ids, fastpath._graphed_function)
+    assert graph_count() == 0  # no GPU: nothing captured
+    assert torch.equal(loss, graphed_loss) and len(torch_grads) == len(graphed_grads) > 0
+    assert any(g.abs().sum() > 0 for g in torch_grads)
+    for a, b in zip(torch_grads, graphed_grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    # the dropout draws: rewinding a generator that dropout does not use gives the recompute other masks
+    from nb_helpers import graphed_layers
+
+    monkeypatch.setattr(graphed_layers, "_generator", lambda tensors: torch.Generator())
+    _, unrewound = _grads(model, ids, fastpath._graphed_function)
+    assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(torch_grads, unrewound))
+
+
+def test_graphs_follow_the_levers(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
+    assert fastpath.graphs_on()  # the GPU default
+    for levers in ("graphs=0", "reentrant=0", "selective_gc=1"):
+        monkeypatch.setenv(fastpath.ENV_VAR, levers)
+        assert not fastpath.graphs_on(), levers
+
+
+def test_a_layer_called_with_an_object_runs_eagerly_and_says_so(capsys, monkeypatch):
+    import torch
+
+    from nb_helpers import graphed_layers
+
+    monkeypatch.setattr(graphed_layers, "_SAID", set())
+    layer = torch.nn.Linear(4, 4)
+    graphs = graphed_layers.LayerGraphs(layer)
+
+    def call(x, cache=None):
+        return layer(x)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    out = graphed_layers.graphed_checkpoint(call, x, cache=object(), graphs=graphs)
+    out.sum().backward()
+    assert x.grad is not None and graphs.entries == {}
+    assert "called with a value a CUDA graph cannot take" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,offload", [("bfloat16", False), ("float16", False), ("bfloat16", True)])
+def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dtype, offload):
+    """Captured at the first call of a shape, replayed after: losses and LoRA gradients equal the eager reentrant
+    checkpoint's over three steps and two shapes (the same kernels and dropout masks; allclose for cuBLAS's choice
+    of algorithm on the capture stream). With offload, each layer's saved input goes through CPU RAM first."""
+    import torch
+
+    from nb_helpers import graphed_layers
+
+    graphed_layers.reset()
+    model = _tiny(tiny_cfg.replace(lora_dropout=0.1, compute_dtype=dtype),
+                  FastOptions(lean=True, kernels=True, nomask=True))
+    model.enable_input_require_grads()
+    model.train()
+    for length in (64, 128, 64):
+        ids = torch.randint(0, 1000, (4, length), device="cuda", generator=torch.Generator("cuda").manual_seed(length))
+        with torch.autocast("cuda", dtype=getattr(torch, dtype)):
+            loss, eager = _grads(model, ids)
+            graphed_loss, graphed = _grads(model, ids, lambda layer: fastpath._graphed_function(
+                layer, offload_overlap=True if offload else None))
+        assert torch.allclose(loss, graphed_loss, rtol=1e-3), (loss, graphed_loss)
+        for a, b in zip(eager, graphed):
+            assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3 * a.abs().max().item())
+    layers = len(fastpath._decoder(model).layers)
+    assert graphed_layers.graph_count() == 2 * 2 * layers  # forward and backward, two shapes
+    graphed_layers.reset()
+    assert graphed_layers.graph_count() == 0
