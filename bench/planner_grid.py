@@ -114,6 +114,23 @@ FAMILIES = [
     ("w1", "qwen2.5-0.5b", 2048, 4, 2, 16, "all-linear", True, 4),
     ("w2", "qwen2.5-0.5b", 512, 4, 1, 8, QKVO, False, 16),
 ]
+# Checkpointed layers as CUDA graphs (nb_helpers.graphed_layers, the GPU default): the graph terms were fitted on
+# five TinyLlama runs of bench/throughput.py (call 11); none of these points was seen then. Shapes first, so that a
+# deadline still leaves all three.
+GRAPHED = [
+    ("x1", "tinyllama-1.1b", 1024, 2, 4, 8, QKVO, True, 4),
+    ("x5", "smollm2-135m", 512, 8, 1, 8, QKVO, True, 4),
+    ("x8", "llama-3.2-1b", 512, 1, 8, 8, QKVO, True, 4),
+    ("x2", "tinyllama-1.1b", 512, 4, 2, 16, "all-linear", True, 4),
+    ("x6", "smollm2-135m", 2048, 4, 1, 8, QKVO, True, 4),
+    ("x9", "llama-3.2-1b", 1024, 4, 2, 8, QKVO, True, 4),
+    ("x3", "tinyllama-1.1b", 2048, 2, 4, 8, QKVO, True, 4),
+    ("x7", "smollm2-135m", 1024, 8, 1, 16, "all-linear", True, 4),
+    ("x10", "llama-3.2-1b", 2048, 1, 8, 16, "all-linear", True, 4),
+    ("x4", "tinyllama-1.1b", 256, 8, 1, 8, QKVO, True, 4),
+    ("x11", "smollm2-135m", 512, 16, 1, 8, QKVO, True, 4),
+    ("x12", "llama-3.2-1b", 256, 8, 1, 8, QKVO, True, 4),
+]
 # Auto-fit against the reference recipe on the TinyLlama shape at 4 GiB, effective batch 8, in one call.
 AUTOFIT = [(f"{name}-{seq}", seq, extra) for seq in (512, 2048) for name, extra in (
     ("reference", dict(micro_batch_size=1, grad_accum=8, gradient_checkpointing=True)),
@@ -183,7 +200,7 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--points", default="all",
-                        help="comma list of point ids, all, holdout, lean, families, or autofit")
+                        help="comma list of point ids, all, holdout, lean, families, graphed, or autofit")
     parser.add_argument("--out", required=True)
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
@@ -206,9 +223,9 @@ def main() -> None:
             for line in row.get("autofit_log", []):
                 print("   ", line, flush=True)
         return
-    pool = {"holdout": HOLDOUT, "lean": LEAN, "families": FAMILIES}.get(args.points) or \
-        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN + FAMILIES
-    if args.points in ("all", "holdout", "lean", "families"):
+    pool = {"holdout": HOLDOUT, "lean": LEAN, "families": FAMILIES, "graphed": GRAPHED}.get(args.points) or \
+        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN + FAMILIES + GRAPHED
+    if args.points in ("all", "holdout", "lean", "families", "graphed"):
         chosen = pool
     else:  # in the order given
         by_id = {p[0]: p for p in pool}

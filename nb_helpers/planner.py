@@ -97,9 +97,12 @@ LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
 # torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on Hopper and newer, else
 # 4096 KiB x 2 + 16 KiB x 8. The forward (main thread) and the autograd thread each hold one handle.
 CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
-# CUDA-graphed layers (nb_helpers.graphed_layers): outside their memory pool and buffers, the capture stream's own
-# cuBLAS workspace and the graphs themselves. H200 measurement (bench/NOTES.md, call 11)
-GRAPH_OVERHEAD_GIB = 0.10
+# CUDA-graphed layers (nb_helpers.graphed_layers), fitted on five TinyLlama runs of bench/throughput.py (H200, call
+# 11; bench/NOTES.md): their memory pool holds GRAPH_POOL_FACTOR x one layer's recompute-and-backward working memory
+# (the graphs' allocations cannot be packed as tightly as eager ones, which reuse freed blocks of any stream), and
+# GRAPH_OVERHEAD_GIB sits outside it (the capture stream's cuBLAS workspace, the graphs themselves)
+GRAPH_POOL_FACTOR = 2.4
+GRAPH_OVERHEAD_GIB = 0.07
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Families the GPU path runs with liger's fused RMSNorm and SwiGLU (nb_helpers.fastpath wires Llama only); the others
 # run the stock layers whatever PlanInput.fused_kernels says.
@@ -328,7 +331,7 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
         # One memory pool holds a layer's recompute and backward for every graph, all the time; the layers share
         # buffers for their inputs and outputs (two hidden states). Only the gradients copied out of the pool are
         # left to the allocator during the backward.
-        c["graphs"] = sum(layer_backward.values()) + 2 * rb * h * T + GRAPH_OVERHEAD_GIB * GIB
+        c["graphs"] = GRAPH_POOL_FACTOR * sum(layer_backward.values()) + 2 * rb * h * T + GRAPH_OVERHEAD_GIB * GIB
         layer_backward = {"layer_recompute": 0.0, "backward_transient": 2 * rb * h * T}
     # The phases where the peak can fall; the largest wins.
     zero = {"activations_kept": 0.0, "layer_recompute": 0.0, "logits_loss": 0.0, "backward_transient": 0.0,
@@ -394,27 +397,25 @@ class Candidate:
 def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
                margin: float = FIT_MARGIN, offload_allowed: bool = True) -> list[Candidate]:
     """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
-    RAM (where `offload_allowed`), predicted to fit the budget (less the margin), best expected throughput first.
-    With `base.graphs`, the checkpointed ones as CUDA graphs come first: a graphed layer costs the host one launch
-    where an eager one costs hundreds, and the step is bound by the host (bench/NOTES.md: 2x at 8 x 512 on an
-    H200), so any graphed choice that fits beats the eager ones; the eager ones follow, for budgets graphs miss."""
+    RAM (where `offload_allowed`), each checkpointed one also as CUDA graphs (with `base.graphs`), predicted to fit
+    the budget (less the margin), best expected throughput first: fewer micro-steps first (each costs the host a
+    fixed overhead), then graphed before eager (a graphed layer costs the host one launch where an eager one costs
+    hundreds: 2x at 8 x 512 on an H200, bench/NOTES.md), then the compute each needs."""
     modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
-    graphed = [(True, offload, True) for gc, offload in modes if gc] if base.graphs else []
+    modes = [(gc, offload, False) for gc, offload in modes] + \
+        ([(True, offload, True) for gc, offload in modes if gc] if base.graphs else [])
     out = []
-    for group, group_modes in enumerate((graphed, [(gc, offload, False) for gc, offload in modes])):
-        found = []
-        for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
-            for gc, offload, graphs in group_modes:
-                inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
-                                   "gradient_checkpointing": gc, "offload": offload, "graphs": graphs})
-                predicted = plan(shape, inp).peak_gib
-                if predicted > budget_gib * (1 - margin):
-                    continue
-                factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
-                cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
-                found.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
-        out += sorted(found, key=lambda c: (c.relative_step_cost, c.predicted_gib))
-    return out
+    for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
+        for gc, offload, graphs in modes:
+            inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
+                               "gradient_checkpointing": gc, "offload": offload, "graphs": graphs})
+            predicted = plan(shape, inp).peak_gib
+            if predicted > budget_gib * (1 - margin):
+                continue
+            factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
+            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
+            out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
+    return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
