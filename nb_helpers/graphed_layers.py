@@ -54,8 +54,16 @@ class _Shared:
 
     def __init__(self, device):
         self.stream = torch.cuda.Stream(device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None
         self.buffers: dict = {}
+
+    def pool_for_capture(self):
+        """The pool every live graph shares, or a fresh one when no graph is alive: a pool handle is only an id, and
+        the allocator forgets the pool once the last graph captured into it is gone (an earlier model's graphs, after
+        a second run in the same process); capturing into a forgotten id fails an internal assert."""
+        if self.pool is None or graph_count() == 0:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
 
 _SHARED: dict = {}
@@ -267,7 +275,7 @@ def _on_side_stream(run, device, graph=None) -> None:
         if graph is None:
             run()
         else:
-            graph.capture_begin(pool=shared.pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=shared.pool_for_capture(), capture_error_mode="thread_local")
             try:
                 run()
             finally:
@@ -275,7 +283,23 @@ def _on_side_stream(run, device, graph=None) -> None:
     current.wait_stream(shared.stream)
 
 
+_STRICT: list = [False]
+
+
+@contextmanager
+def out_of_memory_raises():
+    """Inside: a capture that runs out of memory raises instead of falling back to eager layers, so that auto-fit's
+    trial step sees that a graphed candidate does not fit (and steps down) rather than measuring an eager one."""
+    _STRICT[0] = True
+    try:
+        yield
+    finally:
+        _STRICT[0] = False
+
+
 def _fail(entry, plan, error) -> None:
+    if _STRICT[0] and "OutOfMemoryError" in type(error).__name__:
+        raise error
     entry.failed, entry.forward, entry.backward = True, None, None
     _say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
                             f"({type(error).__name__}: {str(error)[:160]}); it runs without graphs (same math)")
@@ -303,8 +327,9 @@ def _capture_forward(plan, entry, tensors, ctx) -> None:
         entry.buffers = buffers.get(key) or buffers.setdefault(key, _Buffers(tensors, outputs))
         del outputs[:]
         ctx.generator.set_state(ctx.rng)
-        entry.forward = torch.cuda.CUDAGraph()
-        _on_side_stream(run, device, entry.forward)
+        graph = torch.cuda.CUDAGraph()
+        _on_side_stream(run, device, graph)
+        entry.forward = graph  # counted as live (graph_count) once captured
     except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
         _fail(entry, plan, error)
     finally:
@@ -333,8 +358,9 @@ def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
         ctx.generator.set_state(ctx.rng)
         _on_side_stream(run, device)  # warm-up: the backward's kernels autotune outside the capture
         ctx.generator.set_state(ctx.rng)
-        entry.backward = torch.cuda.CUDAGraph()
-        _on_side_stream(run, device, entry.backward)
+        graph = torch.cuda.CUDAGraph()
+        _on_side_stream(run, device, graph)
+        entry.backward = graph
     except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
         _fail(entry, plan, error)
     finally:

@@ -629,10 +629,14 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     if not getattr(model, "_nb_fused_head", False):
         add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
         model._nb_fused_head = True
+    from .graphed_layers import out_of_memory_raises
+
     try:
-        with torch.autocast(device.type, dtype=dtype):
-            out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), fused_lm_head=True)
-        out.loss.backward()
+        with out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly
+            with torch.autocast(device.type, dtype=dtype):
+                out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                            fused_lm_head=True)
+            out.loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
 

@@ -112,3 +112,51 @@ def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dt
     assert graphed_layers.graph_count() == 2 * 2 * layers  # forward and backward, two shapes
     graphed_layers.reset()
     assert graphed_layers.graph_count() == 0
+
+
+def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
+    """The graphs share one pool, but the allocator forgets a pool once its last graph is gone: capturing into it
+    again (a second model trained in the same process: a notebook cell run twice) failed an internal assert on
+    the GPU, and the failed capture left dropout's generator unusable (bench/NOTES.md, call 12). A new capture
+    takes a fresh pool whenever no graph is alive, the shared one otherwise."""
+    import itertools
+
+    import torch
+
+    from nb_helpers import graphed_layers
+
+    handles = itertools.count()
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    graphed_layers.reset()
+    shared = graphed_layers._Shared(torch.device("cuda", 0))
+    first = shared.pool_for_capture()
+    layer = graphed_layers.LayerGraphs(torch.nn.Linear(2, 2))
+    layer.entry("shape").forward = object()  # a captured graph, alive
+    assert shared.pool_for_capture() == first
+    del layer  # the model and its graphs are gone
+    import gc
+
+    gc.collect()
+    assert graphed_layers.graph_count() == 0 and shared.pool_for_capture() != first
+
+
+def test_a_capture_out_of_memory_fails_the_trial_step_but_not_a_run(capsys, monkeypatch):
+    """In auto-fit's trial step a capture that runs out of memory must raise, so the graphed candidate steps down
+    (call 11: a trial fell back to eager layers and measured a candidate that then ran over the budget); in a run,
+    the layer falls back to eager and says so."""
+    import torch
+
+    from nb_helpers import graphed_layers
+
+    monkeypatch.setattr(graphed_layers, "_SAID", set())
+
+    class Plan:
+        graphs = graphed_layers.LayerGraphs(torch.nn.Linear(2, 2))
+
+    error = torch.OutOfMemoryError("CUDA out of memory (injected)")
+    with graphed_layers.out_of_memory_raises(), pytest.raises(torch.OutOfMemoryError):
+        graphed_layers._fail(graphed_layers._Entry(), Plan, error)
+    entry = graphed_layers._Entry()
+    graphed_layers._fail(entry, Plan, error)
+    assert entry.failed and "could not be captured as a CUDA graph (OutOfMemoryError" in capsys.readouterr().out
