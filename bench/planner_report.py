@@ -37,29 +37,41 @@ SETS = {"grid1-fit.jsonl": "fit", "grid2-holdout.jsonl": "holdout", "grid3-holdo
 LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              # issue 11: Qwen3, Gemma 3, Llama-3.2-1B, Phi-4-mini, Qwen2.5 shapes (bench/planner_grid.py --points
              # families); the planner's constants were not refitted on them
-             "grid5-families.jsonl": "families, grid"}
-# throughput.json: the runs of its latest call (2026-12-01, 24fdab3), and under "earlier" those of 2026-11-30 (b121a9f,
-# expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The earlier
+             "grid5-families.jsonl": "families, grid",
+             # checkpointed layers as CUDA graphs (the GPU default since device call 11): the graph terms were
+             # fitted on call 11's TinyLlama throughput runs; these points (call 12) were not seen then
+             "grid6-graphed.jsonl": "graphed layers, grid (held out)"}
+# throughput.json: the runs of its latest calls (2026-12-01, calls 11 and 12, CUDA-graphed layers; the graph terms
+# were fitted on call 11's), and under "earlier" those of call 9 (24fdab3, eager layers) and of 2026-11-30 (b121a9f,
+# expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The 2026-11-30
 # offloaded runs copied on the compute stream, without the one input the side-stream copies keep in flight, so the
 # planner (which counts it) predicts them about 64 MiB high.
-THROUGHPUT = {"throughput.json": ("lean path, throughput runs", True),
-              "throughput-levers.json": ("lean path, lever runs (call 2)", True)}
-EARLIER = ("2026-11-30", "lean path, throughput runs (2026-11-30)")
+THROUGHPUT = {"throughput.json": ("graphed layers, throughput runs (fitted)", True, None),
+              "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
+              # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too
+              "raw/throughput-call11-646270b.json": ("graphed layers, throughput runs (fitted)", True, {"w2048"})}
+EARLIER = {"call9-24fdab3": ("lean path, throughput runs (call 9)", False),
+           "2026-11-30": ("lean path, throughput runs (2026-11-30)", True)}
 BEFORE_EXPANDABLE = "-at-c8e6f11"
 
 
 def flags(fast: str | None, expandable_default: bool, log: list[str] | None = None,
-          overlap_before: bool = False) -> dict:
-    """PlanInput switches for a run made with NB_FASTPATH=fast. Offloaded checkpoints are read from the run's own
-    log, since auto-fit may choose them without NB_FASTPATH saying so."""
+          overlap_before: bool = False, graphs: bool = False) -> dict:
+    """PlanInput switches for a run made with NB_FASTPATH=fast. Offloaded checkpoints and CUDA graphs are read from
+    the run's own log, since auto-fit may choose them without NB_FASTPATH saying so."""
     fast = fast or ""
     off = {item.partition("=")[0] for item in fast.split(",") if item.endswith("=0")}
     offload = any("checkpoints offloaded to pinned CPU RAM" in line for line in log or [])
+    chosen = [line for line in log or [] if line.startswith("[auto-fit] chose")]
+    if chosen:  # auto-fit's own choice (its trial steps may have tried graphs on candidates it then dropped)
+        graphs = "layers as CUDA graphs" in chosen[-1]
+    elif log is not None:
+        graphs = any("checkpointed layers replayed as CUDA graphs" in line for line in log)
     # runs before the side-stream copies (2026-11-30 and earlier) copied on the compute stream: no input in flight
     overlap = "offload_overlap" not in off and not overlap_before
     return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
-                offload=offload, offload_overlap=overlap)
+                offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off)
 
 
 def rows():
@@ -76,17 +88,19 @@ def rows():
             continue
         for line in (RAW / name).read_text().splitlines():
             r = json.loads(line)
-            if r["returncode"] == 0:
-                yield role, r, flags(None, True)
-    for name, (role, expandable) in THROUGHPUT.items():
+            if r["returncode"] == 0:  # the graphed grid ran with fixed settings: every GC point as graphs
+                yield role, r, flags(None, True, graphs=name.startswith("grid6") and r["gc"])
+    for name, (role, expandable, only) in THROUGHPUT.items():
         data = json.loads((RESULTS / name).read_text())
-        yield from throughput_rows(data["workloads"], role, expandable, "")
-        if EARLIER[0] in data.get("earlier", {}):
-            yield from throughput_rows(data["earlier"][EARLIER[0]]["workloads"], EARLIER[1], expandable,
-                                       f"@{EARLIER[0]}")
+        workloads = {k: v for k, v in data["workloads"].items() if only is None or k in only}
+        yield from throughput_rows(workloads, role, expandable, "" if only is None else "@call11")
+        for key, (earlier_role, before_overlap) in EARLIER.items():
+            if key in data.get("earlier", {}):
+                yield from throughput_rows(data["earlier"][key]["workloads"], earlier_role, expandable, f"@{key}",
+                                           before_overlap)
 
 
-def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str):
+def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, before_overlap: bool = False):
     for workload, entry in workloads.items():
         if workload == "shipped":  # ragged rows: the planner plans for full-length ones (max_length)
             continue
@@ -98,8 +112,8 @@ def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str):
                              accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
                              budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
                              allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
-                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log"),
-                      overlap_before=bool(suffix))  # the earlier calls ran before the side-stream copies
+                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log") or [],
+                      overlap_before=before_overlap)  # 2026-11-30's calls ran before the side-stream copies
 
 
 def main() -> None:
@@ -124,11 +138,11 @@ def main() -> None:
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("| id | set | shape | seq | batch×accum | rank | targets | GC | predicted GiB | measured GiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for o in [o for o in out if o["set"].startswith(("lean", "families"))]:
+    for o in [o for o in out if o["set"].startswith(("lean", "families", "graphed"))]:
         print(f"| {o['id']} | {o['set']} | {o['shape']} | {o['seq']} | {o['batch']}×{o['accum']} | {o['rank']} | "
               f"{o['targets']} | {'on' if o['gc'] else 'off'} | {o['predicted_gib']:.2f} | {o['measured_gib']:.2f} | "
               f"{o['error_pct']:+.1f}% |")
-    lean = [o for o in out if o["set"].startswith(("lean", "families"))]
+    lean = [o for o in out if o["set"].startswith(("lean", "families", "graphed"))]
     worst = max(lean, key=lambda o: abs(o["error_pct"]))
     print(f"\nlean path: {len(lean)} points, {len({o['shape'] for o in lean})} shapes; worst error {worst['error_pct']:+.1f}% "
           f"({worst['id']}); mean |error| {sum(abs(o['error_pct']) for o in lean) / len(lean):.1f}%")

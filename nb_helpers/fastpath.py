@@ -1,6 +1,6 @@
 """The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
 
-Seven changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+Eight changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
 call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
 
   * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
@@ -24,6 +24,9 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
     goes to pinned host memory on a side stream that overlaps the compute, so long rows and bigger micro-batches fit.
   * reentrant checkpoints: the forward of a checkpointed layer runs under no_grad, with no saved-tensor hooks.
   * bitsandbytes' dequantize kernels called directly, without their per-call Python wrapper.
+  * checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers; RunConfig.cuda_graphs): one launch per
+    layer instead of a few hundred, 2x at 8 x 512 on an H200; its memory pool is what it costs (the planner counts
+    it, auto-fit falls back to eager layers where it does not fit).
 
 Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
 adapters in bf16 runs, transformers' own synchronous offload.

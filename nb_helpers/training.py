@@ -398,13 +398,13 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
 
 
 def flops_counter(model):
-    """The Trainer's FLOPs count (6 x tokens x parameters, transformers' estimate) with the parameters counted once:
-    transformers counts them again at every step, a walk over every module (host time on a fast GPU)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not hasattr(base, "floating_point_ops"):
+    """Trainer.floating_point_ops (6 x input tokens x parameters without embeddings, transformers 5's estimate) with
+    the parameters counted once: the Trainer counts them again at every step, a walk over every module (host time on
+    a fast GPU)."""
+    if not hasattr(model, "num_parameters"):
         return lambda inputs: 0
-    params = base.num_parameters(exclude_embeddings=True)
-    return lambda inputs: 6 * base.estimate_tokens(inputs) * params
+    main_input, params = getattr(model, "main_input_name", "input_ids"), model.num_parameters(exclude_embeddings=True)
+    return lambda inputs: 6 * inputs[main_input].numel() * params if main_input in inputs else 0
 
 
 def evaluate_before(run: TrainingRun, trainer) -> dict:

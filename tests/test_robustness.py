@@ -190,6 +190,49 @@ def test_nan_keeps_the_last_good_adapter(tiny_cfg, capsys):
     assert "adapter/ holds the last good weights, from step 1" in out and "lower learning_rate" in out
 
 
+def test_last_good_adapter_restores_the_last_finite_steps_weights():
+    """One batched copy per finite step into reused buffers: a non-finite step takes no copy, and restore() puts
+    back the weights of the last finite one, not those of the step that failed."""
+    import torch
+
+    from nb_helpers.recovery import LastGoodAdapter
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)
+    keeper = LastGoodAdapter(model)
+    keeper({"loss": 1.0, "step": 1, "grad_norm": 0.5})
+    good = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    keeper({"loss": float("nan"), "step": 2})
+    assert keeper.step == 1 and set(keeper.state) == set(good)
+    assert keeper.restore()
+    assert "1.weight" not in keeper.state  # frozen: not an adapter weight
+    for name, p in model.named_parameters():
+        if name in good:
+            assert torch.equal(p, good[name])
+
+
+def test_the_flops_count_is_transformers_own_with_the_parameters_counted_once(tiny_cfg):
+    import torch
+
+    from nb_helpers.fastpath import FastOptions
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.training import attach_lora, flops_counter
+
+    model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg,
+                        fast=FastOptions(lean=True, kernels=False, nomask=False))
+    from transformers import Trainer
+
+    inputs = {"input_ids": torch.ones(2, 7, dtype=torch.long)}
+    trainer = Trainer.__new__(Trainer)  # only its floating_point_ops, which reads self.model
+    trainer.model = model
+    count = flops_counter(model)
+    assert count(inputs) == Trainer.floating_point_ops(trainer, inputs) > 0
+    assert count({"labels": inputs["input_ids"]}) == 0
+
+
 def test_a_full_disk_leaves_the_previous_adapter_intact(shared_run):
     from nb_helpers.recovery import last_checkpoint, save_adapter
 
