@@ -91,7 +91,7 @@ def plan_config(args) -> RunConfig:
 
 def cmd_plan(args) -> int:
     """Predicted peak memory from config.json alone; exit 0 when it fits the budget, 3 when it does not."""
-    from .planner import auto_fit, default_context_gib, load_shape, plan_for_config
+    from .planner import auto_fit, default_context_gib, graphs_dropped_unless_they_fit, load_shape, plan_for_config
 
     cfg = plan_config(args)
     model = cfg.model
@@ -109,10 +109,12 @@ def cmd_plan(args) -> int:
     capability = tuple(int(x) for x in args.gpu_capability.split(".")) if args.gpu_capability else None
     context = args.context_gib if args.context_gib is not None else default_context_gib()
     try:
-        result = plan_for_config(cfg, shape, context_gib=context, gpu_capability=capability,
-                                 labelled_fraction=args.labelled_fraction)
+        planned = plan_for_config(cfg, shape, context_gib=context, gpu_capability=capability,
+                                  labelled_fraction=args.labelled_fraction)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    # a run drops CUDA graphs its budget cannot hold: plan what it runs (auto-fit below weighs both itself)
+    result = graphs_dropped_unless_they_fit(planned, cfg.budget_gib) if cfg.budget_gib else planned
     inp = result.inputs
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -127,7 +129,7 @@ def cmd_plan(args) -> int:
             print(f"note: {note}")
         if args.auto_fit:
             try:
-                choice = auto_fit(shape, inp, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
+                choice = auto_fit(shape, planned.inputs, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")

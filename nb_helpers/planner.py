@@ -456,6 +456,14 @@ def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: fl
                       f"max_length (now {base.seq}) or the LoRA rank")
 
 
+def graphs_dropped_unless_they_fit(planned: Plan, budget_gib: float, margin: float = FIT_MARGIN) -> Plan:
+    """What a run with hand-set knobs uses: its graphed plan where that fits the budget (less the margin), else the
+    same run with eager layers (graphs hold a memory pool; training.keep_graphs_within_budget switches them off)."""
+    if planned.components.get("graphs") and planned.peak_gib > budget_gib * (1 - margin):
+        return plan(planned.shape, PlanInput(**{**asdict(planned.inputs), "graphs": False}), budget_gib=planned.budget_gib)
+    return planned
+
+
 def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
                     gpu_capability: tuple[int, int] | None = None, labelled_fraction: float = 1.0) -> Plan:
     """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner import Plan, known_shape, known_shapes, plan, plan_for_config
+from .planner import Plan, graphs_dropped_unless_they_fit, known_shape, known_shapes, plan, plan_for_config
 
 ROW_STEP = 512  # longest_row's resolution in tokens: finer than this the planner's ±5% says nothing
 
@@ -33,7 +33,8 @@ def longest_row(planned: Plan, budget_gib: float, limit: int | None = None) -> i
     """The longest row, in steps of ROW_STEP tokens, that `planned`'s inputs fit in budget_gib at batch 1 with
     checkpoints offloaded (the planner's peak grows with length, so a bisection finds it). 0 when none fits."""
     limit = limit or planned.shape.max_positions or 131_072
-    inp = replace(planned.inputs, batch=1, gradient_checkpointing=True, offload=True)
+    # eager layers: a long row whose graphs do not fit runs without them (graphs_dropped_unless_they_fit)
+    inp = replace(planned.inputs, batch=1, gradient_checkpointing=True, offload=True, graphs=False)
 
     def fits(seq: int) -> bool:
         return plan(planned.shape, replace(inp, seq=seq)).peak_gib <= budget_gib
@@ -53,10 +54,12 @@ def fit_table(cfg, budget_gib: float, context_gib: float | None = None,
     rows = []
     for name in known_shapes():
         shape = known_shape(name)
-        planned = plan_for_config(cfg, shape, context_gib=context_gib, gpu_capability=gpu_capability)
+        planned = graphs_dropped_unless_they_fit(
+            plan_for_config(cfg, shape, context_gib=context_gib, gpu_capability=gpu_capability), budget_gib)
         offload = None
         if planned.inputs.gradient_checkpointing:
-            offload = plan(shape, replace(planned.inputs, offload=True)).peak_gib
+            offload = graphs_dropped_unless_they_fit(plan(shape, replace(planned.inputs, offload=True)),
+                                                     budget_gib).peak_gib
         rows.append(FitRow(name, shape.total_params / 1e9, planned.peak_gib, offload,
                            longest_row(planned, budget_gib), shape.max_positions, budget_gib))
     return sorted(rows, key=lambda r: r.params_b)

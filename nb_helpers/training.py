@@ -186,10 +186,32 @@ def predict_memory(run: TrainingRun, verbose: bool = True) -> None:
         if verbose:
             print(f"[plan] no prediction for this model ({e})")
         return
+    if torch.cuda.is_available():
+        keep_graphs_within_budget(run, verbose)
     if verbose:
         where = "" if torch.cuda.is_available() else "no GPU here; for a GTX 1650-class card (compute capability 7.5): "
         print(f"[plan] {where}{run.prediction.verdict()}, in {run.prediction.peak_phase}; "
               "`python -m nb_helpers plan` shows the breakdown")
+
+
+def keep_graphs_within_budget(run: TrainingRun, verbose: bool = True) -> None:
+    """Settings chosen by hand (auto-fit weighs graphs itself): CUDA-graphed layers hold a memory pool, so where the
+    planner puts the graphed run over the budget (or the card) and the eager one under it, this run goes eager."""
+    import torch
+
+    from .planner import graphs_dropped_unless_they_fit
+
+    cfg = run.cfg
+    if cfg.auto_fit or not (cfg.cuda_graphs and cfg.gradient_checkpointing):
+        return
+    budget = cfg.budget_gib or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
+    chosen = graphs_dropped_unless_they_fit(run.prediction, budget)
+    if chosen is not run.prediction:
+        if verbose:
+            print(f"[plan] CUDA graphs off for this run: predicted {run.prediction.peak_gib:.2f} GiB with them, over "
+                  f"{budget:.2f} GiB less the planner's margin; {chosen.peak_gib:.2f} GiB with eager layers (slower; "
+                  "auto_fit weighs both)")
+        run.cfg, run.prediction = cfg.replace(cuda_graphs=False), chosen
 
 
 def load_for_training(run: TrainingRun, verbose: bool = True):

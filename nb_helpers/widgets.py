@@ -206,7 +206,7 @@ class PlanView:
         return COURSE_CARD_GIB, "the 4 GB card this course targets (set cfg.budget_gib for another card)"
 
     def update(self, cfg: RunConfig) -> None:
-        from .planner import plan_for_config
+        from .planner import graphs_dropped_unless_they_fit, plan_for_config
 
         budget, source = self.budget_for(cfg)
         try:
@@ -214,6 +214,7 @@ class PlanView:
                 raise ValueError(self.shape_error or "no model shape: pass load_shape(model path)")
             result = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
                                      gpu_capability=self.capability or (7, 5))
+            result = graphs_dropped_unless_they_fit(result, budget)  # what a run on that card would use
         except Exception as e:  # noqa: BLE001 - a widget callback must not raise; say why instead
             self.plan = None
             self.widget.value = (f"<div style='color:{OVER_COLOR}'><b>no prediction</b> for these settings: "

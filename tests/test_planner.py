@@ -417,3 +417,27 @@ def test_offloaded_checkpoints_leave_the_card_and_buy_a_bigger_micro_batch():
     assert (no_offload.batch, no_offload.offload) == (4, False)
     short = auto_fit(shape, PlanInput(seq=512, **fit), 8, 4.0, log=lambda *_: None)
     assert (short.batch, short.offload) == (8, False)
+
+
+def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys):
+    """Without auto-fit, a run whose graphed layers the planner puts over the budget (and whose eager layers fit)
+    trains eagerly and says why; with room for them it keeps them."""
+    from types import SimpleNamespace
+
+    from nb_helpers.config import PROJECT_ROOT, RunConfig
+    from nb_helpers.planner import load_shape, plan_for_config
+    from nb_helpers.training import keep_graphs_within_budget
+
+    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8)
+    graphed = plan_for_config(cfg, shape, context_gib=0.6)
+    eager = plan_for_config(cfg.replace(cuda_graphs=False), shape, context_gib=0.6)
+    assert graphed.peak_gib > eager.peak_gib
+    between = (graphed.peak_gib + eager.peak_gib) / 2 / (1 - planner.FIT_MARGIN)
+    for budget, keeps in ((between, False), (graphed.peak_gib / (1 - planner.FIT_MARGIN) + 0.01, True)):
+        run = SimpleNamespace(cfg=cfg.replace(budget_gib=budget), shape=shape, summary={"cuda_context_gib": 0.6},
+                              prediction=plan_for_config(cfg.replace(budget_gib=budget), shape, context_gib=0.6))
+        keep_graphs_within_budget(run)
+        assert run.cfg.cuda_graphs is keeps
+        assert (run.prediction.components["graphs"] > 0) is keeps
+    assert capsys.readouterr().out.count("CUDA graphs off for this run") == 1

@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from nb_helpers.config import RunConfig
-from nb_helpers.planner import known_shapes, plan, plan_for_family
+from nb_helpers.planner import graphs_dropped_unless_they_fit, known_shapes, plan, plan_for_family
 from nb_helpers.reach import ROW_STEP, fit_markdown, fit_table, longest_row
 
 RECIPE = RunConfig()  # the GPU recipe: 1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o
@@ -19,7 +19,9 @@ def test_one_row_per_shipped_shape_smallest_first_with_the_plan_of_that_family(t
     assert sorted(r.name for r in table) == sorted(known_shapes())
     assert [r.params_b for r in table] == sorted(r.params_b for r in table)
     qwen = next(r for r in table if r.name == "qwen3-4b")
-    assert qwen.peak_gib == pytest.approx(plan_for_family(RECIPE, "qwen3-4b", context_gib=0.3).peak_gib)
+    graphed = plan_for_family(RECIPE, "qwen3-4b", context_gib=0.3)
+    # what a run would use: its CUDA graphs where they fit, as Qwen3-4B's do at 4 GiB (Phi-4-mini's do not: below)
+    assert qwen.peak_gib == pytest.approx(graphs_dropped_unless_they_fit(graphed, 4.0).peak_gib)
     assert 3.9 < qwen.params_b < 4.1
     assert qwen.offload_peak_gib < qwen.peak_gib  # offload moves checkpoints off the card
 
@@ -29,7 +31,7 @@ def test_longest_row_fits_and_one_step_more_does_not(name):
     planned = plan_for_family(RECIPE, name, context_gib=0.3)
     longest = longest_row(planned, 4.0)
     assert longest > 0 and longest % ROW_STEP == 0
-    at = replace(planned.inputs, batch=1, offload=True)
+    at = replace(planned.inputs, batch=1, offload=True, graphs=False)  # long rows run eagerly where graphs miss
     assert plan(planned.shape, replace(at, seq=longest)).peak_gib <= 4.0
     if longest < planned.shape.max_positions:
         assert plan(planned.shape, replace(at, seq=longest + ROW_STEP)).peak_gib > 4.0
@@ -46,7 +48,8 @@ def test_lora_targets_are_translated_per_family(table):
     phi = plan_for_family(RECIPE, "phi-4-mini", context_gib=0.3)
     assert phi.inputs.targets == ("qkv_proj", "o_proj")  # q,k,v live in Phi's one fused projection
     row = next(r for r in table if r.name == "phi-4-mini")
-    assert row.peak_gib == pytest.approx(phi.peak_gib)
+    assert row.peak_gib == pytest.approx(graphs_dropped_unless_they_fit(phi, 4.0).peak_gib)
+    assert row.peak_gib < phi.peak_gib  # Phi-4-mini's graphs do not fit 4 GiB: the run (and the row) goes eager
 
 
 def test_model_choice_replans_with_the_same_knobs():
