@@ -19,8 +19,9 @@ What graphs need, and what happens otherwise:
     per layer, new shapes run eagerly;
   * tensors and simple values as the layer's arguments; anything else (a cache object) runs eagerly;
   * a capture that fails (an operation that cannot be captured) leaves that layer eager, said once with the reason.
-All graphs share one memory pool, and layers of one shape share their input and output buffers, so the cost is one
-layer's working memory plus five hidden-state-sized buffers per shape (the planner counts it: `graph_pool`).
+All graphs share one memory pool, and layers of one shape share their input and output buffers. That is what graphs
+cost: the pool, measured at 2.4 times a layer's eager recompute-and-backward working memory, and two hidden states of
+buffers per shape (the planner's `graphs` term; bench/NOTES.md).
 """
 
 from __future__ import annotations

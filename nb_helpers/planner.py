@@ -74,6 +74,10 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/
     reused for any size and the overhead measured 0.02-0.27 GiB on 11 points of 3 shapes: EXPANDABLE_OVERHEAD_GIB.
   * CUDA context: measured on this GPU when there is one (memory.measure_context_bytes), else
     CONSUMER_CONTEXT_GIB, the usual size on consumer cards.
+  * CUDA-graphed layers (the GPU default; nb_helpers.graphed_layers): one memory pool holds a layer's recompute and
+    backward for every graph, at all times, measured at GRAPH_POOL_FACTOR x what that work needs eagerly, plus two
+    hidden states of shared buffers and GRAPH_OVERHEAD_GIB outside the pool. The layer's eager transients leave the
+    last layer's backward phase, so the peak usually moves to the loss.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ class PlanInput:
     adapters_fp32: bool = False  # fastpath's adapters_fp32: fp32 LoRA weights in bf16 runs (lora.adapter_param_bytes)
     offload: bool = False  # with GC: each layer's checkpoint lives in pinned CPU RAM (nb_helpers.fastpath)
     offload_overlap: bool = True  # the copies overlap the compute: one more layer input on the card (fastpath)
-    graphs: bool = False  # checkpointed layers as CUDA graphs (nb_helpers.graphed_layers; not with offload)
+    graphs: bool = False  # checkpointed layers as CUDA graphs (nb_helpers.graphed_layers): their memory pool
 
     @property
     def tokens(self) -> int:
