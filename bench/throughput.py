@@ -9,8 +9,9 @@ Workloads, all at effective batch 8 sequences:
   shipped  data/train.jsonl (about 110 tokens a row, loss on the answers only)
 
 For each workload: the reference (1 x 8, GC, paged_adamw_8bit, r=8 on q,k,v,o, no prepare_model_for_kbit_training),
-our path at the reference's own settings (1 x 8, GC: the memory comparison) and our default (auto-fit picks the
-micro-batch for the budget, keeping the effective batch). --levers adds one run per speed lever, each alone.
+our path at the reference's own settings set by hand (1 x 8, GC: the lean path, the memory comparison; and the same
+with cuda_graphs=True: what graphs cost and give there) and our default (auto-fit picks the micro-batch and CUDA
+graphs for the budget, keeping the effective batch). --levers adds one run per speed lever, each alone.
 Reported: median step seconds over the steps after warm-up, non-padding tokens/s, the ratio to the reference,
 peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses.
 
@@ -48,8 +49,9 @@ def main_runs(workload: str, steps: int) -> list[dict]:
     if workload == "w2048":  # the profiled last step is not timed: one more step keeps 10 timed
         for run in runs:
             run.update(profile=True, steps=run["steps"] + 1)
-    if workload != "shipped":  # memory at the reference's own settings; 5 steps reach the steady peak
-        runs.append(dict(ref, name="ours-1x8", recipe="ours", steps=5))
+    if workload != "shipped":  # the reference's own settings set by hand: lean (memory), and with graphs asked for
+        runs.append(dict(ref, name="ours-1x8", recipe="ours", steps=8))
+        runs.append(dict(ref, name="ours-1x8-graphs", recipe="ours", steps=8, cuda_graphs=True))
     return runs
 
 
@@ -284,6 +286,7 @@ def ours_worker(spec: dict) -> dict:
                     max_length=spec["seq"], micro_batch_size=spec["batch"], grad_accum=spec["accum"],
                     gradient_checkpointing=spec["gc"], max_steps=spec["steps"], save_steps=10_000,
                     budget_gib=spec["budget"], auto_fit=spec.get("auto_fit", False), compute_dtype="bfloat16",
+                    cuda_graphs=spec.get("cuda_graphs"),
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))

@@ -129,7 +129,9 @@ def cmd_plan(args) -> int:
             print(f"note: {note}")
         if args.auto_fit:
             try:
-                choice = auto_fit(shape, planned.inputs, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
+                fitting = plan_for_config(cfg.replace(auto_fit=True), shape, context_gib=context,  # graphs weighed
+                                          gpu_capability=capability, labelled_fraction=args.labelled_fraction)
+                choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")

@@ -493,7 +493,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
                     offload_overlap=fast.offload_overlap,
-                    graphs=cfg.cuda_graphs and fast.graphs and fast.reentrant and not fast.selective_gc)
+                    graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant and not fast.selective_gc)
     return plan(shape, inp, budget_gib=cfg.budget_gib)
 
 

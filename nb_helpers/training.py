@@ -196,13 +196,20 @@ def predict_memory(run: TrainingRun, verbose: bool = True) -> None:
 
 def keep_graphs_within_budget(run: TrainingRun, verbose: bool = True) -> None:
     """Settings chosen by hand (auto-fit weighs graphs itself): CUDA-graphed layers hold a memory pool, so where the
-    planner puts the graphed run over the budget (or the card) and the eager one under it, this run goes eager."""
+    planner puts the graphed run over the budget (or the card) and the eager one under it, this run goes eager.
+    A hand-set run that left cuda_graphs unset runs eagerly (the lean path) and hears once what graphs would cost."""
     import torch
 
     from .planner import graphs_dropped_unless_they_fit
 
     cfg = run.cfg
-    if cfg.auto_fit or not (cfg.cuda_graphs and cfg.gradient_checkpointing):
+    if cfg.auto_fit or not cfg.gradient_checkpointing:
+        return
+    if cfg.cuda_graphs is None:
+        if verbose:
+            say_graphs_cost(run)
+        return
+    if not cfg.cuda_graphs:
         return
     budget = cfg.budget_gib or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
     chosen = graphs_dropped_unless_they_fit(run.prediction, budget)
@@ -212,6 +219,20 @@ def keep_graphs_within_budget(run: TrainingRun, verbose: bool = True) -> None:
                   f"{budget:.2f} GiB less the planner's margin; {chosen.peak_gib:.2f} GiB with eager layers (slower; "
                   "auto_fit weighs both)")
         run.cfg, run.prediction = cfg.replace(cuda_graphs=False), chosen
+
+
+def say_graphs_cost(run: TrainingRun) -> None:
+    """One line for a hand-set run on the lean path: what CUDA-graphed layers would cost it, and how to ask."""
+    from .planner import plan_for_config
+
+    graphed = plan_for_config(run.cfg.replace(cuda_graphs=True), run.shape,
+                              context_gib=run.summary.get("cuda_context_gib"))
+    if not graphed.components.get("graphs"):  # NB_FASTPATH turned them off, or checkpoints they cannot replay
+        return
+    extra = graphed.peak_gib - run.prediction.peak_gib
+    print(f"[plan] layers run eagerly (the lean path: settings set by hand use no more memory than the recipe); "
+          f"cuda_graphs=True replays them as CUDA graphs, several times faster for {extra:.2f} GiB more "
+          f"(predicted {graphed.peak_gib:.2f} GiB), and auto_fit=True weighs both")
 
 
 def load_for_training(run: TrainingRun, verbose: bool = True):
@@ -606,7 +627,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         compile_layers(model)
     install_offload(model, bool(cfg.offload_checkpoints or fast.offload or fast.offload_sync)
                     and cfg.gradient_checkpointing)
-    model._nb_fast, model._nb_use_graphs = fast, cfg.cuda_graphs
+    model._nb_fast, model._nb_use_graphs = fast, cfg.graphs_wanted
     return model
 
 

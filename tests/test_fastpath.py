@@ -145,8 +145,8 @@ def _plain_recipe_losses(model_dir, rows_file, steps, tmp_path, dtype="bfloat16"
 
 @pytest.mark.gpu
 def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, capsys):
-    """Same data, seed and effective batch: our default GPU path (lean, fused kernels, no mask, 8 x 1) against the
-    plain recipe at 1 x 8. The losses agree within bf16 noise at every one of the first 20 steps."""
+    """Same data, seed and effective batch: our fast GPU path (lean, fused kernels, no mask, CUDA-graphed layers,
+    8 x 1: what auto-fit picks) against the plain recipe at 1 x 8. The losses agree within bf16 noise at every one of the first 20 steps."""
     from nb_helpers.data import normalize_row
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
@@ -156,7 +156,7 @@ def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, cap
     rows_file.write_text("".join(json.dumps(normalize_row(json.loads(line))) + "\n" for line in lines))
     ours_run = train(tiny_cfg.replace(train_file=str(rows_file), max_train_samples=None, micro_batch_size=8,
                                       grad_accum=1, max_steps=20, task_eval_samples=0, eval_file=None,
-                                      compute_dtype="bfloat16"), verbose=True)
+                                      compute_dtype="bfloat16", cuda_graphs=True), verbose=True)
     assert "[fast] fused Triton kernels (liger-kernel)" in capsys.readouterr().out
     ours = [r["loss"] for r in read_metrics(ours_run / "metrics.jsonl") if "loss" in r]
     plain = _plain_recipe_losses(tiny_cfg.model, rows_file, 20, tmp_path)
@@ -168,12 +168,13 @@ def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, cap
 
 @pytest.mark.gpu
 def test_fp16_fast_path_trains_with_fp32_adapters(tiny_cfg):
-    """Turing (GTX 1650): fp16 autocast on the lean path, fused kernels in fp16, adapters in fp32 for GradScaler."""
+    """Turing (GTX 1650): fp16 autocast on the lean path, fused kernels and CUDA-graphed layers in fp16, adapters in
+    fp32 for GradScaler."""
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
 
-    run_dir = train(tiny_cfg.replace(compute_dtype="float16", max_steps=4, task_eval_samples=0, eval_file=None),
-                    verbose=False)
+    run_dir = train(tiny_cfg.replace(compute_dtype="float16", max_steps=4, task_eval_samples=0, eval_file=None,
+                                     cuda_graphs=True), verbose=False)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["compute_dtype"] == "float16"
     losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]

@@ -429,7 +429,7 @@ def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys):
     from nb_helpers.training import keep_graphs_within_budget
 
     shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
-    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8)
+    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, cuda_graphs=True)
     graphed = plan_for_config(cfg, shape, context_gib=0.6)
     eager = plan_for_config(cfg.replace(cuda_graphs=False), shape, context_gib=0.6)
     assert graphed.peak_gib > eager.peak_gib
@@ -441,3 +441,30 @@ def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys):
         assert run.cfg.cuda_graphs is keeps
         assert (run.prediction.components["graphs"] > 0) is keeps
     assert capsys.readouterr().out.count("CUDA graphs off for this run") == 1
+
+
+def test_hand_set_runs_stay_lean_unless_graphs_are_asked_for(capsys):
+    """cuda_graphs unset: a hand-set run (the reference's 1 x 8) plans and runs eager layers, as lean as the recipe,
+    and says once what graphs would cost; auto-fit weighs graphed candidates; cuda_graphs=False keeps them out of
+    auto-fit too."""
+    from types import SimpleNamespace
+
+    from nb_helpers.config import PROJECT_ROOT, RunConfig
+    from nb_helpers.planner import auto_fit, load_shape, plan_for_config
+    from nb_helpers.training import keep_graphs_within_budget
+
+    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, budget_gib=4.0)
+    lean = plan_for_config(cfg, shape, context_gib=0.6)
+    graphed = plan_for_config(cfg.replace(cuda_graphs=True), shape, context_gib=0.6)
+    assert lean.components["graphs"] == 0 and graphed.components["graphs"] > 0
+    run = SimpleNamespace(cfg=cfg, shape=shape, summary={"cuda_context_gib": 0.6}, prediction=lean)
+    keep_graphs_within_budget(run)
+    assert run.cfg.cuda_graphs is None and run.prediction is lean
+    out = capsys.readouterr().out
+    assert "cuda_graphs=True" in out and f"{graphed.peak_gib - lean.peak_gib:.2f} GiB more" in out
+
+    fitting = plan_for_config(cfg.replace(auto_fit=True), shape, context_gib=0.6).inputs
+    assert auto_fit(shape, fitting, 8, 4.0, log=lambda *_: None).graphs
+    never = plan_for_config(cfg.replace(auto_fit=True, cuda_graphs=False), shape, context_gib=0.6).inputs
+    assert not auto_fit(shape, never, 8, 4.0, log=lambda *_: None).graphs

@@ -7,7 +7,9 @@ from nb_helpers.config import RunConfig
 from nb_helpers.planner import graphs_dropped_unless_they_fit, known_shapes, plan, plan_for_family
 from nb_helpers.reach import ROW_STEP, fit_markdown, fit_table, longest_row
 
-RECIPE = RunConfig()  # the GPU recipe: 1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o
+# the GPU recipe (1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o) with CUDA graphs asked for: the rows
+# then show where graphs fit and where a run drops them (left unset, a hand-set run plans eager layers throughout)
+RECIPE = RunConfig(cuda_graphs=True)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,8 @@ def test_lora_targets_are_translated_per_family(table):
     row = next(r for r in table if r.name == "phi-4-mini")
     assert row.peak_gib == pytest.approx(graphs_dropped_unless_they_fit(phi, 4.0).peak_gib)
     assert row.peak_gib < phi.peak_gib  # Phi-4-mini's graphs do not fit 4 GiB: the run (and the row) goes eager
+    lean = next(r for r in fit_table(RunConfig(), 4.0, context_gib=0.3) if r.name == "phi-4-mini")
+    assert lean.peak_gib == pytest.approx(row.peak_gib)  # cuda_graphs unset: eager layers, as planned above
 
 
 def test_model_choice_replans_with_the_same_knobs():
