@@ -50,11 +50,23 @@ def _say_once(key: str, message: str) -> None:
         print(message, flush=True)
 
 
+_STREAMS: dict = {}  # device index -> the capture stream, kept for the whole process (reset() keeps it)
+
+
+def _capture_stream(device):
+    """The side stream captures run on. One per device for the process: torch hands out its pooled streams in turn,
+    and cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run on, so a new stream after each
+    reset() (auto-fit's trials, a second run in a notebook) added a workspace each time (the GPU suite, call B)."""
+    if device.index not in _STREAMS:
+        _STREAMS[device.index] = torch.cuda.Stream(device)
+    return _STREAMS[device.index]
+
+
 class _Shared:
-    """Per device: the side stream captures run on, the one memory pool, and the buffers per input signature."""
+    """Per device: the capture stream, the one memory pool, and the buffers per input signature."""
 
     def __init__(self, device):
-        self.stream = torch.cuda.Stream(device)
+        self.stream = _capture_stream(device)
         self.pool = None
         self.buffers: dict = {}
 

@@ -89,12 +89,30 @@ def test_a_layer_called_with_an_object_runs_eagerly_and_says_so(capsys, monkeypa
 def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dtype, offload):
     """Captured at the first call of a shape, replayed after: losses and LoRA gradients equal the eager reentrant
     checkpoint's over three steps and two shapes (the same kernels and dropout masks; allclose for cuBLAS's choice
-    of algorithm on the capture stream). With offload, each layer's saved input goes through CPU RAM first."""
+    of algorithm on the capture stream). With offload, each layer's saved input goes through CPU RAM first. A second
+    model after reset() (a notebook cell run twice) captures again and leaves no memory behind once it is gone."""
+    import gc
+
     import torch
 
     from nb_helpers import graphed_layers
 
-    graphed_layers.reset()
+    held = []
+    for _ in range(2):
+        graphed_layers.reset()
+        _graphed_matches_eager(tiny_cfg, dtype, offload)
+        gc.collect()
+        held.append(torch.cuda.memory_allocated())
+    # the first model may leave the capture stream's cuBLAS workspace (made once per process); the second nothing
+    # more: a new stream per reset() had kept 64 MiB after every run (call B's GPU suite)
+    assert held[1] - held[0] <= 8 * 2**20, held
+
+
+def _graphed_matches_eager(tiny_cfg, dtype, offload):
+    import torch
+
+    from nb_helpers import graphed_layers
+
     model = _tiny(tiny_cfg.replace(lora_dropout=0.1, compute_dtype=dtype),
                   FastOptions(lean=True, kernels=True, nomask=True))
     model.enable_input_require_grads()
@@ -128,6 +146,7 @@ def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
     handles = itertools.count()
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)
+    monkeypatch.setattr(graphed_layers, "_STREAMS", {})
     graphed_layers.reset()
     shared = graphed_layers._Shared(torch.device("cuda", 0))
     first = shared.pool_for_capture()
@@ -139,6 +158,23 @@ def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
 
     gc.collect()
     assert graphed_layers.graph_count() == 0 and shared.pool_for_capture() != first
+
+
+def test_one_capture_stream_for_the_process_across_resets(monkeypatch):
+    """reset() drops graphs, buffers and the pool, not the capture stream: every new stream costs a cuBLAS workspace
+    that stays for the process (32 MiB on Hopper); one per reset filled a 0.25 GiB test budget in call B."""
+    import torch
+
+    from nb_helpers import graphed_layers
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    monkeypatch.setattr(graphed_layers, "_STREAMS", {})
+    device = torch.device("cuda", 0)
+    first = graphed_layers._shared(device).stream
+    graphed_layers._SHARED.clear()  # what reset() does, without a GPU to synchronize
+    assert graphed_layers._shared(device).stream is first and len(made) == 1
+    graphed_layers._SHARED.clear()
 
 
 def test_a_capture_out_of_memory_fails_the_trial_step_but_not_a_run(capsys, monkeypatch):
