@@ -7,8 +7,9 @@ One config file serves every world size: micro-batch 8 x accumulation 2 (16 sequ
 step). On 1 GPU it trains as written; on 2, nb_helpers.distributed splits it to 8 x 1 on each GPU and says so. Model:
 the TinyLlama-1.1B shape with random weights (bench/build_tinyllama_shape.py), W512-like rows
 (bench/planner_grid.write_rows: 497-511 tokens, so micro-batches carry a little padding), r=8 on q,k,v,o,
-gradient checkpointing on and a 4 GiB budget per GPU, context included: the settings auto-fit chose for 8 x 512 on
-the 4 GiB card (bench/results/throughput.json), so each GPU runs what the course runs on one. LoRA dropout is 0:
+gradient checkpointing on with the layers as CUDA graphs (--eager: without) and a 4 GiB budget per GPU, context
+included: the settings auto-fit chose for 8 x 512 on the 4 GiB card (bench/results/throughput.json), so each GPU runs
+what the course runs on one. LoRA dropout is 0:
 each process draws its own dropout masks, so with dropout the curves would differ by the masks as well as by
 rounding; --dropout 0.05 is the course's default.
 
@@ -67,7 +68,7 @@ def write_config(args, model_dir: Path, data: Path, work: Path, world: int) -> P
     cfg = RunConfig(model=str(model_dir), train_file=str(data), eval_file=None, task_eval_samples=0,
                     max_length=args.seq, micro_batch_size=args.micro, grad_accum=args.global_batch // args.micro,
                     gradient_checkpointing=not args.no_gc, max_steps=args.steps, save_steps=10_000,
-                    lora_dropout=args.dropout,
+                    lora_dropout=args.dropout, cuda_graphs=not args.eager,
                     budget_gib=args.budget or None, compute_dtype="bfloat16" if not args.allow_cpu else "auto",
                     runs_dir=str(work / f"runs-{world}"), run_name="run", logging_steps=1)
     path = work / f"config-{world}.json"  # the same knobs for every world size; only the runs folder differs
@@ -191,6 +192,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all GPUs")
     parser.add_argument("--budget", type=float, default=4.0, help="GiB per GPU, context included (0: none)")
     parser.add_argument("--no-gc", action="store_true", help="without gradient checkpointing")
+    parser.add_argument("--eager", action="store_true",
+                        help="eager layers (a hand-set run's default); without it, CUDA graphs as auto-fit picks them")
     parser.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (0: comparable loss curves)")
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_gpu.json"))
@@ -227,7 +230,8 @@ def main() -> None:
            "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)"
            if args.model_dir == parser.get_default("model_dir") else str(model_dir),
            "seq": args.seq, "global_batch": args.global_batch, "micro_batch_per_gpu": args.micro,
-           "gradient_checkpointing": not args.no_gc, "budget_gib_per_gpu": args.budget or None,
+           "gradient_checkpointing": not args.no_gc, "cuda_graphs": not args.eager,
+           "budget_gib_per_gpu": args.budget or None,
            "lora_dropout": args.dropout,
            "steps": args.steps, "warmup_steps": WARMUP, "omp_threads_per_process": threads,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "target_scaling": 1.8,

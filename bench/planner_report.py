@@ -40,17 +40,20 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              "grid5-families.jsonl": "families, grid",
              # checkpointed layers as CUDA graphs (the GPU default since device call 11): the graph terms were
              # fitted on call 11's TinyLlama throughput runs; these points (call 12) were not seen then
-             "grid6-graphed.jsonl": "graphed layers, grid (held out)"}
+             "grid6-graphed.jsonl": "graphed layers, grid (held out)",
+             # the five points call 12's deadline cut, run in call 13 (2026-12-01, 7839746): held out too
+             "grid7-graphed.jsonl": "graphed layers, grid (held out, call 13)"}
 # throughput.json: the runs of its latest calls (2026-12-01, calls 11 and 12, CUDA-graphed layers; the graph terms
 # were fitted on call 11's), and under "earlier" those of call 9 (24fdab3, eager layers) and of 2026-11-30 (b121a9f,
 # expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The 2026-11-30
 # offloaded runs copied on the compute stream, without the one input the side-stream copies keep in flight, so the
 # planner (which counts it) predicts them about 64 MiB high.
-THROUGHPUT = {"throughput.json": ("graphed layers, throughput runs (fitted)", True, None),
+THROUGHPUT = {"throughput.json": ("graphed and lean hand-set runs, throughput (calls 14-15, held out)", True, None),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
               # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too
               "raw/throughput-call11-646270b.json": ("graphed layers, throughput runs (fitted)", True, {"w2048"})}
-EARLIER = {"call9-24fdab3": ("lean path, throughput runs (call 9)", False),
+EARLIER = {"calls11-12": ("graphed layers, throughput runs (fitted)", False),
+           "call9-24fdab3": ("lean path, throughput runs (call 9)", False),
            "2026-11-30": ("lean path, throughput runs (2026-11-30)", True)}
 BEFORE_EXPANDABLE = "-at-c8e6f11"
 
@@ -89,7 +92,7 @@ def rows():
         for line in (RAW / name).read_text().splitlines():
             r = json.loads(line)
             if r["returncode"] == 0:  # the graphed grid ran with fixed settings: every GC point as graphs
-                yield role, r, flags(None, True, graphs=name.startswith("grid6") and r["gc"])
+                yield role, r, flags(None, True, graphs=name.startswith(("grid6", "grid7")) and r["gc"])
     for name, (role, expandable, only) in THROUGHPUT.items():
         data = json.loads((RESULTS / name).read_text())
         workloads = {k: v for k, v in data["workloads"].items() if only is None or k in only}
