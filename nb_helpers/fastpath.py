@@ -26,7 +26,7 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
   * bitsandbytes' dequantize kernels called directly, without their per-call Python wrapper.
   * checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers; RunConfig.cuda_graphs): one launch per
     layer instead of a few hundred, 2x at 8 x 512 on an H200; its memory pool is what it costs (the planner counts
-    it, auto-fit falls back to eager layers where it does not fit).
+    it; auto-fit takes them where they fit, a run set by hand only with cuda_graphs=True).
 
 Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
 adapters in bf16 runs, transformers' own synchronous offload.

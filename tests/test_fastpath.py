@@ -146,7 +146,8 @@ def _plain_recipe_losses(model_dir, rows_file, steps, tmp_path, dtype="bfloat16"
 @pytest.mark.gpu
 def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, capsys):
     """Same data, seed and effective batch: our fast GPU path (lean, fused kernels, no mask, CUDA-graphed layers,
-    8 x 1: what auto-fit picks) against the plain recipe at 1 x 8. The losses agree within bf16 noise at every one of the first 20 steps."""
+    8 x 1: what auto-fit picks) against the plain recipe at 1 x 8. The losses agree within bf16 noise at every one
+    of the first 20 steps."""
     from nb_helpers.data import normalize_row
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train

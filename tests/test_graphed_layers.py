@@ -104,7 +104,7 @@ def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dt
         gc.collect()
         held.append(torch.cuda.memory_allocated())
     # the first model may leave the capture stream's cuBLAS workspace (made once per process); the second nothing
-    # more: a new stream per reset() had kept 64 MiB after every run (call B's GPU suite)
+    # more: a new stream per reset() had kept 64 MiB after every run (device call 14's GPU suite)
     assert held[1] - held[0] <= 8 * 2**20, held
 
 
@@ -162,7 +162,7 @@ def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
 
 def test_one_capture_stream_for_the_process_across_resets(monkeypatch):
     """reset() drops graphs, buffers and the pool, not the capture stream: every new stream costs a cuBLAS workspace
-    that stays for the process (32 MiB on Hopper); one per reset filled a 0.25 GiB test budget in call B."""
+    that stays for the process (32 MiB on Hopper); one per reset filled a 0.25 GiB test budget in device call 14."""
     import torch
 
     from nb_helpers import graphed_layers
