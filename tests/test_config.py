@@ -14,6 +14,8 @@ def test_defaults_are_the_reference_recipe():
     assert (cfg.optim, cfg.learning_rate, cfg.max_grad_norm) == ("paged_adamw_8bit", 2e-4, 0.3)
     assert cfg.gradient_checkpointing and cfg.num_train_epochs == 3 and cfg.max_steps == -1
     assert cfg.trust_remote_code is False
+    # CUDA graphs: auto-fit weighs them; the recipe's settings, as set, run the lean eager path
+    assert cfg.cuda_graphs is None and not cfg.graphs_wanted and cfg.replace(auto_fit=True).graphs_wanted
 
 
 @pytest.mark.parametrize("change, knob", [
@@ -23,6 +25,7 @@ def test_defaults_are_the_reference_recipe():
     ({"learning_rate": 0}, "learning_rate"), ({"target_modules": []}, "target_modules"),
     ({"compute_dtype": "float8"}, "compute_dtype"), ({"optim": "adamw_9bit"}, "optim"),
     ({"budget_gib": 0}, "budget_gib"), ({"max_steps": -1, "num_train_epochs": 0}, "max_steps"),
+    ({"cuda_graphs": "yes"}, "cuda_graphs"),
 ])
 def test_invalid_settings_name_the_knob_and_the_fix(change, knob):
     with pytest.raises(ConfigError) as err:
