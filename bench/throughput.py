@@ -64,6 +64,12 @@ def lever_runs(steps: int) -> list[dict]:
     return [
         # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
         run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
+        # eighteenth device call: bitsandbytes' optimizer kernels called directly, taken out again (ours otherwise)
+        run("w2048", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
+        run("w512", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
+        run("shipped", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
+        # seventeenth device call: where the host time goes at 8 x 2048 (the GPU idles 29% of our step there)
+        run("w2048", "host-profile-offload-8x1", 8, 1, fast="offload=1", cprofile=True),
         # tenth device call: checkpointed layers as CUDA graphs are the default; taken out again, and GC off as before
         run("w512", "no-graphs-8x1", 8, 1, fast="graphs=0"),
         run("shipped", "no-graphs-8x1-no-gc", 8, 1, gc=False, fast="graphs=0"),
@@ -149,7 +155,8 @@ class Recorder:
             from torch.profiler import ProfilerActivity, profile
 
             torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            host = [ProfilerActivity.CPU] if self.spec.get("trace") else []  # the host's ops too, for trace_gaps.py
+            self.prof = profile(activities=[*host, ProfilerActivity.CUDA])
             self.prof.start()
             self.prof_start = time.perf_counter()
         elif len(self.records) == self.profile_from and self.prof is not None and self.prof_start is not None:
@@ -158,6 +165,8 @@ class Recorder:
             self.prof.stop()
             self.busy = busy_share(self.prof, wall)
             self.prof_start = None
+            if self.spec.get("trace"):
+                self.busy["gaps"] = save_trace(self.prof, Path(self.spec["trace"]), self.spec)
 
 
 class HostProfile:
@@ -185,6 +194,23 @@ class HostProfile:
             stats.print_callers("synchronize|method 'item'|method 'cpu'|method 'to' of")
             self.report = text.getvalue()[-60000:]
             self.profiler = None
+
+
+def save_trace(prof, folder: Path, spec: dict) -> dict:
+    """The profiled step's Chrome trace, gzipped, and where its GPU gaps come from (bench/trace_gaps.py)."""
+    import gzip
+    import shutil
+
+    from trace_gaps import analyze, load
+
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / f"{spec['workload']}-{spec['name']}.json"
+    prof.export_chrome_trace(str(raw))
+    gaps = analyze(load(raw))
+    with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return gaps
 
 
 def busy_share(prof, wall_s: float) -> dict:
@@ -356,6 +382,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "throughput.json"))
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds")
+    parser.add_argument("--trace", default=None, help="folder: profiled runs also record the host and save a trace")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -399,6 +426,8 @@ def main() -> None:
             print(f"[throughput] deadline: {workload}/{spec['name']} not run", flush=True)
             entry["runs"][spec["name"]] = {"recipe": spec["recipe"], "not_run": "device-call deadline"}
             continue
+        if args.trace and spec.get("profile") and spec["recipe"] != "reference":  # its trace would be 100+ MB
+            spec["trace"] = args.trace
         spec.update(seq=seq, budget=args.budget, model=str(model_dir),
                     data=str(prepare_data(workload, model_dir, work, rows=8 * max(args.steps, 23))))
         spec_path, result_path = work / f"{workload}-{spec['name']}.json", work / f"{workload}-{spec['name']}.out"

@@ -43,3 +43,46 @@ def test_no_file_and_a_bad_file_are_told_apart(tmp_path):
     bad.write_text('{"gpu": "X"}')
     with pytest.raises(ValueError, match="bad.json: no 'workloads'.*bench/throughput.py"):
         load_benchmark(bad)
+
+
+def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
+    """bench/trace_gaps.py on a made-up trace: one gap the host caused inside the optimizer (its launch came late),
+    one the GPU spent waiting on another stream (its launch came before the gap began)."""
+    import gzip
+    import sys
+
+    from nb_helpers.config import PROJECT_ROOT
+
+    sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+    from trace_gaps import analyze, load
+
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+
+    def launch(corr, ts, tid=1):
+        return {**op("cudaLaunchKernel", ts, 2, tid, "cuda_runtime"), "args": {"correlation": corr}}
+
+    def kernel(name, corr, ts, dur):
+        return {**op(name, ts, dur, 7, "kernel"), "args": {"correlation": corr}}
+
+    events = [
+        op("aten::mm", 0, 10), launch(1, 1), kernel("gemm", 1, 5, 95),                   # busy 5-100
+        op("Optimizer.step#AdamW8bit.step", 100, 400), op("aten::copy_", 380, 20),
+        {**launch(2, 385), "name": "cudaLaunchKernel"}, kernel("update", 2, 390, 10),   # gap 100-390: optimizer
+        launch(3, 410), kernel("memcpy HtoD", 3, 420, 30),                              # gap 400-420: host late
+        op("aten::mm", 600, 10), launch(4, 440), kernel("gemm2", 4, 700, 50),           # gap 450-700: waited
+        op("cudaStreamSynchronize", 800, 40, cat="cuda_runtime"),
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    report = analyze(load(path))
+    assert report["busy_ms"] == pytest.approx((95 + 10 + 30 + 50) / 1e3)
+    assert report["gaps_ms"] == pytest.approx((290 + 20 + 250) / 1e3)
+    assert report["waited_on_other_stream_ms"] == pytest.approx(0.25)
+    assert report["gaps_by_phase_ms"]["Optimizer.step#AdamW8bit.step"] == pytest.approx(0.31)
+    assert report["gaps_by_call_ms"] == {"Optimizer.step#AdamW8bit.step > aten::copy_": pytest.approx(0.29),
+                                         "Optimizer.step#AdamW8bit.step > Optimizer.step#AdamW8bit.step":
+                                             pytest.approx(0.02)}
+    assert report["host_syncs"] == {"cudaStreamSynchronize in (no CPU op: Python between ops)": {"count": 1,
+                                                                                                 "ms": 0.04}}
