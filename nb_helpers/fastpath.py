@@ -66,6 +66,7 @@ class FastOptions:
     reentrant: bool = True  # reentrant checkpoints: the forward runs under no_grad, with no saved-tensor hooks; GPU
     direct_dequant: bool = True  # bitsandbytes' dequantize kernels called directly (no per-call wrapper); CUDA
     graphs: bool = True  # checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers); CUDA, reentrant
+    direct_optim: bool = True  # bitsandbytes' AdamW kernels called directly (nb_helpers.optimizer_step); CUDA
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -75,7 +76,7 @@ class FastOptions:
 
         gpu = torch.cuda.is_available()
         values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu, "reentrant": gpu,
-                  "direct_dequant": gpu, "graphs": gpu}
+                  "direct_dequant": gpu, "graphs": gpu, "direct_optim": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:

@@ -416,7 +416,7 @@ def build_trainer(run: TrainingRun):
 
 def adapt_trainer(run: TrainingRun, trainer) -> None:
     """What the course changes on a built trainer: one progress line instead of raw log dicts, the fast path's
-    collator check, and fp32 adapters where the precision needs them."""
+    collator check and optimizer step, and fp32 adapters where the precision needs them."""
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
@@ -431,6 +431,8 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
         from .fastpath import guard_collator
 
         trainer.data_collator = guard_collator(trainer.data_collator, run.model)
+    if fast is not None and fast.direct_optim:
+        direct_optimizer_step(trainer)
     if resolve_compute_dtype(run.cfg.compute_dtype) != "bfloat16" or (fast is not None and fast.adapters_fp32):
         # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
         # gradients, so fp16 runs (Turing: GTX 1650, T4) crashed at the first step; they need fp32 master weights.
@@ -438,6 +440,21 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
         for param in run.model.parameters():
             if param.requires_grad:
                 param.data = param.data.float()
+
+
+def direct_optimizer_step(trainer) -> None:
+    """The optimizer the Trainer makes (the recipe's paged_adamw_8bit) steps through bitsandbytes' kernels directly
+    (nb_helpers.optimizer_step): the same updates without a device synchronize per parameter."""
+    from . import optimizer_step
+
+    make = trainer.create_optimizer
+
+    def create_optimizer(*args, **kwargs):
+        optimizer = make(*args, **kwargs)
+        optimizer_step.install(optimizer)
+        return optimizer
+
+    trainer.create_optimizer = create_optimizer
 
 
 def flops_counter(model):
@@ -525,6 +542,7 @@ def stop_after_oom(run: TrainingRun, trainer) -> None:
     run.metrics.close()
     release_trainer(trainer)
     run.model = run.last_good.model = run.last_good.state = run.last_good.params = None
+    run.last_good.flat = {}
     gc.collect()
     if distributed.is_main():
         write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "oom"})
