@@ -17,11 +17,14 @@ from .runs import write_jsonl
 
 class LastGoodAdapter:
     """Keeps a CPU copy of the trainable (LoRA) weights after every finite step, so a NaN/inf step can be
-    undone and the last good adapter saved. A few MB per copy at r=8. On a GPU the copy goes into pinned memory
-    without waiting for it (one batched copy, no sync per tensor: host time on a fast GPU); restore() waits."""
+    undone and the last good adapter saved. A few MB per copy at r=8. On a GPU the weights are gathered into one
+    flat tensor per dtype and copied into pinned memory without waiting for it: one copy a step instead of one per
+    tensor (176 at r=8 on TinyLlama's q,k,v,o, which took 5 ms of host time a step in device call 17's trace);
+    restore() waits for it. `state` holds each weight's copy by name, views into the flat host tensors."""
 
     def __init__(self, model):
         self.model, self.step, self.state, self.params = model, 0, None, None
+        self.flat: dict = {}  # dtype -> (pinned flat host copy, the weights gathered into it, in order)
 
     def __call__(self, record: dict) -> None:
         if "loss" not in record:
@@ -30,19 +33,33 @@ class LastGoodAdapter:
             self.step = record["step"]
             self._snapshot()
 
+    def _layout(self) -> None:
+        """Pinned flat host tensors, one per dtype, and each weight's view into them (made again if shapes change)."""
+        import torch
+
+        sources = {n: p.detach() for n, p in self.params.items()}
+        pin = any(t.is_cuda for t in sources.values())
+        self.flat, self.state = {}, {}
+        for dtype in dict.fromkeys(t.dtype for t in sources.values()):
+            names = [n for n, t in sources.items() if t.dtype == dtype]
+            host = torch.empty(sum(sources[n].numel() for n in names), dtype=dtype, pin_memory=pin)
+            self.flat[dtype] = (host, names)
+            offset = 0
+            for n in names:
+                self.state[n] = host[offset:offset + sources[n].numel()].view(sources[n].shape)
+                offset += sources[n].numel()
+
     def _snapshot(self) -> None:
         import torch
 
         if self.params is None:
             self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        sources = [p.detach() for p in self.params.values()]
-        if self.state is None or any(s.shape != p.shape or s.dtype != p.dtype
-                                     for s, p in zip(self.state.values(), sources)):
-            pin = any(p.is_cuda for p in sources)
-            self.state = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in zip(self.params, sources)}
-        if sources:
+        if self.state is None or any(self.state[n].shape != p.shape or self.state[n].dtype != p.dtype
+                                     for n, p in self.params.items()):
+            self._layout()
+        for host, names in self.flat.values():
             # ordered on the stream before the next optimizer step changes the weights
-            torch._foreach_copy_(list(self.state.values()), sources, non_blocking=True)
+            host.copy_(torch.cat([self.params[n].detach().reshape(-1) for n in names]), non_blocking=True)
 
     def restore(self) -> bool:
         import torch

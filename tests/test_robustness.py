@@ -199,6 +199,7 @@ def test_last_good_adapter_restores_the_last_finite_steps_weights():
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
     model[1].weight.requires_grad_(False)
+    model[0].bias.data = model[0].bias.data.bfloat16()  # fp32 adapters beside bf16 ones: one flat copy per dtype
     keeper = LastGoodAdapter(model)
     keeper({"loss": 1.0, "step": 1, "grad_norm": 0.5})
     good = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -207,6 +208,7 @@ def test_last_good_adapter_restores_the_last_finite_steps_weights():
             p.add_(1.0)
     keeper({"loss": float("nan"), "step": 2})
     assert keeper.step == 1 and set(keeper.state) == set(good)
+    assert sorted(str(d) for d in keeper.flat) == ["torch.bfloat16", "torch.float32"]
     assert keeper.restore()
     assert "1.weight" not in keeper.state  # frozen: not an adapter weight
     for name, p in model.named_parameters():
