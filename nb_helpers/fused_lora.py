@@ -86,25 +86,32 @@ def _probe_kernels():
     return (absmax_kernel, weight_kernels), None
 
 
+def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool):
+    """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
+    evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
+                                     bias.to(x.dtype))
+    if dropout_p > 0:
+        dropped, mask = torch.native_dropout(flat, dropout_p, True)
+    else:
+        dropped, mask = flat, None
+    a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+    down = dropped @ a.t()
+    out.addmm_(down, b.t(), alpha=scaling)
+    return out.view(*x.shape[:-1], out.shape[-1]), (dropped, down, mask, a, b)
+
+
 class LoRA4bitLinear(torch.autograd.Function):
     """y = x W^T + b + s * dropout(x) A^T B^T, with W in NF4; gradients for x, A and B only (the base is frozen)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False):
-        flat = x.reshape(-1, x.shape[-1])
-        out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
-                                         bias.to(x.dtype))
-        if dropout_p > 0:
-            dropped, mask = torch.native_dropout(flat, dropout_p, True)
-        else:
-            dropped, mask = flat, None
-        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        down = dropped @ a.t()
-        out.addmm_(down, b.t(), alpha=scaling)
+        out, (dropped, down, mask, a, b) = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct)
         ctx.save_for_backward(dropped, down, mask, a, b)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -145,14 +152,18 @@ def _lora_forward(self, x, *args, **kwargs):
     name = adapters[0]
     dropout = self.lora_dropout[name]
     p = float(getattr(dropout, "p", 0.0)) if self.training else 0.0
-    return LoRA4bitLinear.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                float(self.scaling[name]), p, self._nb_direct)
+    args = (x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]),
+            p, self._nb_direct)
+    return LoRA4bitLinear.apply(*args) if torch.is_grad_enabled() else _lora_linear(*args)[0]
 
 
 def _frozen_forward(self, x):
     if getattr(self.weight, "quant_state", None) is None or getattr(self.weight.quant_state, "packing_format_for_cpu",
                                                                      False):
         return type(self).forward(self, x)
+    if not torch.is_grad_enabled():  # no autograd Function to set up: the same dequantize and matmul
+        return torch.nn.functional.linear(x, _dequantize(self.weight, self._nb_direct).to(x.dtype),
+                                          None if self.bias is None else self.bias.to(x.dtype))
     return Frozen4bitLinear.apply(x, self.weight, self.bias, self._nb_direct)
 
 

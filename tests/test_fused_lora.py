@@ -56,6 +56,22 @@ def test_fused_layers_fall_back_when_adapters_are_disabled(tiny_cfg):
     assert not torch.allclose(base, tuned)  # the LoRA branch counts only when the adapters are on
 
 
+def test_without_autograd_the_fused_layers_give_the_same_outputs_and_draw_the_same_masks(tiny_cfg):
+    """Under no_grad (a checkpoint's first forward) the layers skip their autograd Function: the same logits as with
+    gradients on and as peft's, dropout on, and the generator left where the Function leaves it (the recompute's
+    masks depend on that)."""
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    fused, peft_model = _model(tiny_cfg, True), _model(tiny_cfg, False)
+    runs = []
+    for model, grad in ((fused, False), (fused, True), (peft_model, False)):
+        torch.manual_seed(3)
+        with torch.set_grad_enabled(grad):
+            runs.append((model(input_ids=ids).logits.detach(), torch.rand(1)))
+    (no_grad, after), (with_grad, after_grad), (reference, after_ref) = runs
+    assert torch.equal(no_grad, with_grad) and torch.equal(after, after_grad) and torch.equal(after, after_ref)
+    assert torch.allclose(no_grad, reference, rtol=1e-5, atol=1e-6)
+
+
 def test_install_counts_every_4bit_layer(tiny_cfg):
     import bitsandbytes as bnb
 
