@@ -65,6 +65,11 @@ def lever_runs(steps: int) -> list[dict]:
         # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
         run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
         # eighteenth device call: bitsandbytes' optimizer kernels called directly, taken out again (ours otherwise)
+        # next: batches padded to 64 tokens with eager layers too (8 x 2048's slow steps: new lengths, cuDNN plans)
+        run("w2048", "pad-lengths", 8, 1, fast="pad_lengths=1", auto_fit=True),
+        run("w512", "pad-lengths-1x8", 1, 8, fast="pad_lengths=1", steps=8),
+        # twentieth device call: one CPU thread for torch's host-side ops (8 x 2048's slow steps: CPU contention?)
+        run("w2048", "one-cpu-thread", 8, 1, auto_fit=True, env={"OMP_NUM_THREADS": "1"}),
         run("w2048", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
         run("w512", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
         run("shipped", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
@@ -142,13 +147,25 @@ class Recorder:
     """Per optimizer step: wall time (synchronized), non-padding tokens, NVML device used, reserved, loss."""
 
     def __init__(self, spec: dict):
+        import gc
+
         self.spec, self.records, self.prof, self.prof_start = spec, [], None, None
-        self.profile_from = WARMUP + (spec["steps"] - WARMUP) if spec.get("profile") else None
+        self.profile_from = (spec.get("profile_step") or spec["steps"] - 1) + 1 if spec.get("profile") else None
+        self.gc_ms, self.gc_steps, self._gc_start = [0.0, 0.0, 0.0], [], None  # Python's collections, per generation
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gc_ms[info["generation"]] += (time.perf_counter() - self._gc_start) * 1e3
 
     def step_done(self, record: dict) -> None:
         import torch
 
         self.records.append(record)
+        self.gc_steps.append([round(ms, 1) for ms in self.gc_ms])
+        self.gc_ms = [0.0, 0.0, 0.0]
         if self.profile_from is None:
             return
         if len(self.records) == self.profile_from - 1 and self.prof is None:
@@ -298,6 +315,7 @@ def reference_worker(spec: dict) -> dict:
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Measure()])
     trainer.train()
     return {"records": recorder.records, "busy": getattr(recorder, "busy", None), "context_gib": budget.context_gib,
+            "gc_ms_per_step": recorder.gc_steps,
             "settings": {"micro_batch": spec["batch"], "accum": spec["accum"], "gc": spec["gc"]}}
 
 
@@ -327,6 +345,7 @@ def ours_worker(spec: dict) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     return {"records": [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r],
             "busy": getattr(recorder, "busy", None), "context_gib": summary.get("cuda_context_gib"),
+            "gc_ms_per_step": recorder.gc_steps,
             "predicted_peak_gib": summary.get("predicted_peak_gib"), "host_profile": host.report,
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
                          "gc": chosen["gradient_checkpointing"]}}
@@ -356,7 +375,18 @@ def summarize(spec: dict, result: dict) -> dict:
             "busy": result.get("busy"), "context_gib": result.get("context_gib"),
             "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
             "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
+            "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
             "host_profile": result.get("host_profile")}
+
+
+def cpu_throttling() -> dict:
+    """cgroup v2 CPU throttling counters (nr_periods, nr_throttled, throttled_usec), {} where there are none."""
+    try:
+        lines = Path("/sys/fs/cgroup/cpu.stat").read_text().split("\n")
+    except OSError:
+        return {}
+    pairs = dict(line.split() for line in lines if line.strip())
+    return {k: int(pairs[k]) for k in ("nr_periods", "nr_throttled", "throttled_usec") if k in pairs}
 
 
 def versions() -> dict:
@@ -382,6 +412,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "throughput.json"))
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds")
+    parser.add_argument("--profile-step", type=int, default=None, help="profile this step (0-based) instead of the "
+                        "last; its time then counts among the timed steps")
     parser.add_argument("--trace", default=None, help="folder: profiled runs also record the host and save a trace")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -426,6 +458,8 @@ def main() -> None:
             print(f"[throughput] deadline: {workload}/{spec['name']} not run", flush=True)
             entry["runs"][spec["name"]] = {"recipe": spec["recipe"], "not_run": "device-call deadline"}
             continue
+        if args.profile_step is not None and spec.get("profile"):
+            spec["profile_step"] = args.profile_step
         if args.trace and spec.get("profile") and spec["recipe"] != "reference":  # its trace would be 100+ MB
             spec["trace"] = args.trace
         spec.update(seq=seq, budget=args.budget, model=str(model_dir),
@@ -433,11 +467,15 @@ def main() -> None:
         spec_path, result_path = work / f"{workload}-{spec['name']}.json", work / f"{workload}-{spec['name']}.out"
         spec_path.write_text(json.dumps(spec))
         t0 = time.time()
+        throttled = cpu_throttling()
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
                                str(result_path)], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              env={**os.environ, **spec.get("env", {}), "PYTHONPATH": os.pathsep.join(
                                   filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
         row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
+        if throttled:  # the container's CPU quota: periods in which the run was throttled, and for how long
+            after = cpu_throttling()
+            row["cpu_throttled"] = {k: after[k] - throttled[k] for k in throttled}
         if result_path.exists():
             row.update(summarize(spec, json.loads(result_path.read_text())))
         if proc.returncode != 0:
