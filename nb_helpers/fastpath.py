@@ -67,6 +67,8 @@ class FastOptions:
     direct_dequant: bool = True  # bitsandbytes' dequantize kernels called directly (no per-call wrapper); CUDA
     graphs: bool = True  # checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers); CUDA, reentrant
     direct_optim: bool = True  # bitsandbytes' AdamW kernels called directly (nb_helpers.optimizer_step); CUDA
+    pad_lengths: bool = False  # eager layers' batches padded to a multiple of 64 tokens too, as graphs' are: cuDNN's
+    #                            attention plans each new length (about 0.1 s, device call 21); off until measured
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":

@@ -27,7 +27,7 @@ from . import distributed
 from .config import ConfigError, RunConfig
 from .data import load_train_eval, longest_row_tokens, to_dataset
 from .dtypes import resolve_compute_dtype
-from .fastpath import checkpoint_kwargs, graphs_on
+from .fastpath import checkpoint_kwargs, graphs_on, options_of
 from .lora import check_targets, lora_config, parameter_counts
 from .memory import record_nvml_baseline
 from .metrics import MetricsCallback, read_metrics
@@ -266,7 +266,7 @@ def fit_to_budget(run: TrainingRun, verbose: bool = True) -> None:
     seq = min(run.cfg.max_length, longest_row_tokens(run.train_rows, run.tokenizer))
     if verbose and seq < run.cfg.max_length:
         print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
-    if graphs_on(run.model):  # batches are padded to a multiple of the graphs' length step: fit for that length
+    if pad_multiple(run.model):  # batches are padded to a multiple of 64 tokens: fit for that length
         from .graphed_layers import padded_length
 
         seq = padded_length(seq)
@@ -374,7 +374,7 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         eval_steps=cfg.eval_steps or None,
         include_num_input_tokens_seen="non_padding",
         # CUDA-graphed layers replay one graph per shape: lengths padded to a multiple of 64 make a few shapes
-        pad_to_multiple_of=graph_pad_multiple(run.model),
+        pad_to_multiple_of=pad_multiple(run.model),
         report_to="none",
         data_seed=cfg.seed,
         use_cpu=not cuda,
@@ -389,9 +389,12 @@ def bookkeeping_args(run: TrainingRun) -> dict:
     )
 
 
-def graph_pad_multiple(model) -> int | None:
-    """The collator's length step where the layers run as CUDA graphs (one graph per shape), else None."""
-    if not graphs_on(model):
+def pad_multiple(model) -> int | None:
+    """The collator's length step, or None: where the layers run as CUDA graphs (one graph per shape), and on CUDA
+    with the `pad_lengths` lever (cuDNN's attention builds an execution plan for every new length)."""
+    import torch
+
+    if not (graphs_on(model) or (options_of(model).pad_lengths and torch.cuda.is_available())):
         return None
     from .graphed_layers import PAD_MULTIPLE
 

@@ -370,3 +370,26 @@ def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg):
             p.register_hook(lambda g: seen.append(g.abs().sum().item()))
     trial_step(model, batch=2, length=16, checkpointing=True, dtype=torch.bfloat16, vocab=1000)
     assert seen and any(s > 0 for s in seen)
+
+
+def test_batches_are_padded_to_64_tokens_where_graphs_run_or_the_pad_lengths_lever_asks(monkeypatch):
+    """training.pad_multiple: CUDA graphs need few shapes; with pad_lengths, eager layers get the same length step
+    (cuDNN's attention plans every new length). Without CUDA, neither pads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nb_helpers.fastpath import FastOptions
+    from nb_helpers.training import pad_multiple
+
+    def model(graphs, pad_lengths, use_graphs=True):
+        return SimpleNamespace(_nb_fast=FastOptions(graphs=graphs, reentrant=True, pad_lengths=pad_lengths),
+                               _nb_use_graphs=use_graphs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pad_multiple(model(True, True)) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pad_multiple(model(True, False)) == 64  # graphs
+    assert pad_multiple(model(True, False, use_graphs=False)) is None  # auto-fit chose eager layers
+    assert pad_multiple(model(True, True, use_graphs=False)) == 64  # eager, with the lever
+    assert pad_multiple(model(False, False)) is None
