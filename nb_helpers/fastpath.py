@@ -1,6 +1,6 @@
 """The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
 
-Eight changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+Nine changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
 call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
 
   * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
@@ -27,9 +27,12 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
   * checkpointed layers replayed as CUDA graphs (nb_helpers.graphed_layers; RunConfig.cuda_graphs): one launch per
     layer instead of a few hundred, 2x at 8 x 512 on an H200; its memory pool is what it costs (the planner counts
     it; auto-fit takes them where they fit, a run set by hand only with cuda_graphs=True).
+  * bitsandbytes' AdamW kernels called directly (nb_helpers.optimizer_step), without a device synchronize after
+    each of the adapter tensors.
 
 Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
-adapters in bf16 runs, transformers' own synchronous offload.
+adapters in bf16 runs, transformers' own synchronous offload, gc.freeze() before training. Built, not yet measured:
+`pad_lengths` (eager batches padded to 64 tokens, for cuDNN's per-length attention plans).
 
 `NB_FASTPATH` switches levers for benchmarks without touching the config: "lean=0,kernels=0,nomask=0".
 """
