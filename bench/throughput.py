@@ -64,12 +64,12 @@ def lever_runs(steps: int) -> list[dict]:
     return [
         # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
         run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
-        # eighteenth device call: bitsandbytes' optimizer kernels called directly, taken out again (ours otherwise)
         # next: batches padded to 64 tokens with eager layers too (8 x 2048's slow steps: new lengths, cuDNN plans)
         run("w2048", "pad-lengths", 8, 1, fast="pad_lengths=1", auto_fit=True),
         run("w512", "pad-lengths-1x8", 1, 8, fast="pad_lengths=1", steps=8),
         # twentieth device call: one CPU thread for torch's host-side ops (8 x 2048's slow steps: CPU contention?)
         run("w2048", "one-cpu-thread", 8, 1, auto_fit=True, env={"OMP_NUM_THREADS": "1"}),
+        # eighteenth and nineteenth device calls: bitsandbytes' optimizer kernels called directly, taken out again
         run("w2048", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
         run("w512", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
         run("shipped", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
@@ -150,7 +150,8 @@ class Recorder:
         import gc
 
         self.spec, self.records, self.prof, self.prof_start = spec, [], None, None
-        self.profile_from = (spec.get("profile_step") or spec["steps"] - 1) + 1 if spec.get("profile") else None
+        step = spec.get("profile_step", spec["steps"] - 1)  # 0-based; the last step unless one is asked for
+        self.profile_from = step + 1 if spec.get("profile") else None
         self.gc_ms, self.gc_steps, self._gc_start = [0.0, 0.0, 0.0], [], None  # Python's collections, per generation
         gc.callbacks.append(self._gc)
 
