@@ -62,10 +62,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # twenty-third device call: the three host-side levers of 8 x 2048 made default, each taken out again
+        # twenty-third device call: eager batches padded to 64 tokens made default, taken out again (two host-side
+        # levers measured beside it, a DataLoader worker and a token count without a synchronize, paid nothing and
+        # were removed; they are in commit 341eb83)
         run("w2048", "no-pad-lengths", 8, 1, fast="pad_lengths=0", auto_fit=True),
-        run("w2048", "no-loader-worker", 8, 1, fast="loader_worker=0", auto_fit=True),
-        run("w2048", "no-async-tokens", 8, 1, fast="async_tokens=0", auto_fit=True),
         # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
         run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
         # twenty-second device call: batches padded to 64 tokens with eager layers too (8 x 2048's slow steps)
@@ -272,7 +272,6 @@ def reference_worker(spec: dict) -> dict:
 
     record_nvml_baseline(0)
     from nb_helpers.memory import enforce_budget
-    from nb_helpers.step_overlap import count_tokens_on_device
 
     budget = enforce_budget(spec["budget"])
     import torch
@@ -319,9 +318,6 @@ def reference_worker(spec: dict) -> dict:
     trainer = SFTTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=spec["data"],
                                                                             split="train"),
                          processing_class=tokenizer, peft_config=peft_config, callbacks=[Measure()])
-    # The recipe counts no tokens; the benchmark does, as our path does: on the device, without a synchronize per
-    # micro-batch (the Trainer's own count would add one to every backward of the reference).
-    count_tokens_on_device(trainer)
     trainer.train()
     return {"records": recorder.records, "busy": getattr(recorder, "busy", None), "context_gib": budget.context_gib,
             "gc_ms_per_step": recorder.gc_steps,

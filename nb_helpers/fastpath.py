@@ -72,10 +72,6 @@ class FastOptions:
     direct_optim: bool = True  # bitsandbytes' AdamW kernels called directly (nb_helpers.optimizer_step); CUDA
     pad_lengths: bool = True  # eager layers' batches padded to a multiple of 64 tokens too, as graphs' are: cuDNN's
     #                           attention builds plans for each new length (0.15 s a new length, device call 21); CUDA
-    loader_worker: bool = True  # one DataLoader worker process collates the next batch while the GPU works; CUDA,
-    #                             where processes fork (Linux, WSL); elsewhere the collator runs between steps
-    async_tokens: bool = True  # the Trainer's count of tokens seen adds up on the device, without a synchronize
-    #                            after every backward; folded in at the step's end (one process, CUDA)
 
     @classmethod
     def from_env(cls, **overrides) -> "FastOptions":
@@ -85,8 +81,7 @@ class FastOptions:
 
         gpu = torch.cuda.is_available()
         values = {"lean": gpu, "nomask": gpu, "expandable": gpu, "fused_lora": gpu, "reentrant": gpu,
-                  "direct_dequant": gpu, "graphs": gpu, "direct_optim": gpu, "pad_lengths": gpu, "loader_worker": gpu,
-                  "async_tokens": gpu}
+                  "direct_dequant": gpu, "graphs": gpu, "direct_optim": gpu, "pad_lengths": gpu}
         for item in filter(None, (s.strip() for s in os.environ.get(ENV_VAR, "").split(","))):
             key, _, value = item.partition("=")
             if key not in {f.name for f in fields(cls)}:
@@ -507,40 +502,20 @@ def install_mask_drop(model) -> None:
     """In training mode, the decoder ignores a 2-D attention mask that only marks right padding. build_trainer
     checks every training batch on the CPU (no device sync) and turns this off for good if one is not
     right-padded. Evaluation and generation (left-padded prompts) never enter it: model.training is False."""
-    import torch
-
     decoder = _decoder(model)
     if getattr(decoder, "_nb_mask_drop", None) is not None:
         return
-    # One flag in shared memory: with a DataLoader worker (training.loader_workers) the collator's check runs in a
-    # forked process, and its verdict must reach this one before the batch it judged does.
-    decoder._nb_mask_drop = torch.ones(1, dtype=torch.bool).share_memory_()
+    decoder._nb_mask_drop = True
 
     def drop(module, args, kwargs):
         mask = kwargs.get("attention_mask")
-        if not (module.training and mask is not None and mask.dim() == 2 and kwargs.get("past_key_values") is None):
-            return None
-        if not mask_drop_on(module):
-            say_once("mask", MASKS_KEPT)
-            return None
-        kwargs["attention_mask"] = None
-        return args, kwargs
+        if module.training and module._nb_mask_drop and mask is not None and mask.dim() == 2 \
+                and kwargs.get("past_key_values") is None:
+            kwargs["attention_mask"] = None
+            return args, kwargs
+        return None
 
     decoder.register_forward_pre_hook(drop, with_kwargs=True)
-
-
-MASKS_KEPT = "[fast] a training batch is not right-padded: attention masks are kept from now on"
-
-
-def mask_drop_on(decoder) -> bool:
-    flag = getattr(decoder, "_nb_mask_drop", None)
-    return flag is not None and bool(flag[0])
-
-
-def keep_masks(decoder) -> None:
-    """Switch the mask drop off for good (from the collator's process, which may be a forked worker)."""
-    if getattr(decoder, "_nb_mask_drop", None) is not None:
-        decoder._nb_mask_drop[0] = False
 
 
 def is_right_padded(mask) -> bool:
@@ -556,15 +531,12 @@ def guard_collator(collator, model):
     decoder = _decoder(model)
 
     def collate(examples):
-        from torch.utils.data import get_worker_info
-
         batch = collator(examples)
         mask = batch.get("attention_mask") if hasattr(batch, "get") else None
-        if mask_drop_on(decoder) and mask is not None and mask.dim() == 2 and mask.device.type == "cpu" \
-                and not is_right_padded(mask):
-            keep_masks(decoder)
-            if get_worker_info() is None:  # a worker's print may not reach the notebook: the decoder's hook says it
-                say_once("mask", MASKS_KEPT)
+        if getattr(decoder, "_nb_mask_drop", False) and mask is not None and mask.dim() == 2 \
+                and mask.device.type == "cpu" and not is_right_padded(mask):
+            decoder._nb_mask_drop = False
+            say_once("mask", "[fast] a training batch is not right-padded: attention masks are kept from now on")
         return batch
 
     return collate

@@ -35,7 +35,6 @@ from .models import ModelChoice, load_4bit, load_tokenizer, resolve_model
 from .recovery import (LastGoodAdapter, checkpoint_on_interrupt, disk_advice, is_disk_full, last_checkpoint,
                        oom_advice, release_trainer, save_adapter, split_metrics_at)
 from .runs import mark_latest, new_run_dir, resolve_run, write_jsonl
-from .step_overlap import count_tokens_on_device, loader_args
 from .summary import BEFORE_TRAINING_KEYS, package_versions, print_summary, write_summary
 from .task_metric import evaluate_task
 
@@ -380,7 +379,6 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         data_seed=cfg.seed,
         use_cpu=not cuda,
         dataloader_pin_memory=cuda,
-        **loader_args(run.model),  # the next batch collated by a worker process during this step (CUDA, fork)
         disable_tqdm=True,
         # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
         # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.
@@ -421,7 +419,7 @@ def build_trainer(run: TrainingRun):
 
 def adapt_trainer(run: TrainingRun, trainer) -> None:
     """What the course changes on a built trainer: one progress line instead of raw log dicts, the fast path's
-    collator check, optimizer step and token count, and fp32 adapters where the precision needs them."""
+    collator check and optimizer step, and fp32 adapters where the precision needs them."""
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
@@ -438,8 +436,6 @@ def adapt_trainer(run: TrainingRun, trainer) -> None:
         trainer.data_collator = guard_collator(trainer.data_collator, run.model)
     if fast is not None and fast.direct_optim:
         direct_optimizer_step(trainer)
-    if fast is not None and fast.async_tokens:
-        count_tokens_on_device(trainer)
     if resolve_compute_dtype(run.cfg.compute_dtype) != "bfloat16" or (fast is not None and fast.adapters_fp32):
         # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
         # gradients, so fp16 runs (Turing: GTX 1650, T4) crashed at the first step; they need fp32 master weights.

@@ -79,9 +79,9 @@ def test_dropping_the_mask_of_right_padded_batches_changes_no_loss(tiny_cfg):
     mask[2, 5:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     decoder = fastpath._decoder(model)
-    assert fastpath.mask_drop_on(decoder)
+    assert decoder._nb_mask_drop
     dropped = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    fastpath.keep_masks(decoder)
+    decoder._nb_mask_drop = False
     kept = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     assert torch.allclose(dropped, kept, rtol=1e-5, atol=1e-6), (dropped, kept)
 
@@ -96,9 +96,9 @@ def test_a_left_padded_training_batch_switches_the_mask_drop_off(tiny_cfg, capsy
     batches = iter([right, left])
     collate = fastpath.guard_collator(lambda examples: next(batches), model)
     collate([])
-    assert fastpath.mask_drop_on(fastpath._decoder(model))
+    assert fastpath._decoder(model)._nb_mask_drop
     collate([])
-    assert not fastpath.mask_drop_on(fastpath._decoder(model))
+    assert not fastpath._decoder(model)._nb_mask_drop
     assert "not right-padded: attention masks are kept" in capsys.readouterr().out
 
 
