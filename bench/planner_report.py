@@ -43,17 +43,20 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              "grid6-graphed.jsonl": "graphed layers, grid (held out)",
              # the five points call 12's deadline cut, run in call 13 (2026-12-01, 7839746): held out too
              "grid7-graphed.jsonl": "graphed layers, grid (held out, call 13)"}
-# throughput.json: the runs of its latest calls (2026-12-01, calls 15 and 16: auto-fit, and the reference's 1 x 8 set
-# by hand, eager and graphed; held out), and under "earlier" those of calls 11 and 12 (CUDA-graphed layers; the graph
+# throughput.json: the runs of its latest call (2026-12-01, call 24: auto-fit, and the reference's 1 x 8 set by hand,
+# batches padded to 64 tokens; held out), and under "earlier" those of call 20 and of calls 15 and 16 (auto-fit, the
+# 1 x 8 set by hand, eager and graphed; held out), of calls 11 and 12 (CUDA-graphed layers; the graph
 # terms were fitted on call 11's), of call 9 (24fdab3, eager layers) and of 2026-11-30 (b121a9f,
 # expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The 2026-11-30
 # offloaded runs copied on the compute stream, without the one input the side-stream copies keep in flight, so the
 # planner (which counts it) predicts them about 64 MiB high.
-THROUGHPUT = {"throughput.json": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", True, None),
+THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, held out)", True, None),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
               # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too
               "raw/throughput-call11-646270b.json": ("graphed layers, throughput runs (fitted)", True, {"w2048"})}
-EARLIER = {"calls11-12": ("graphed layers, throughput runs (fitted)", False),
+EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
+           "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
+           "calls11-12": ("graphed layers, throughput runs (fitted)", False),
            "call9-24fdab3": ("lean path, throughput runs (call 9)", False),
            "2026-11-30": ("lean path, throughput runs (2026-11-30)", True)}
 BEFORE_EXPANDABLE = "-at-c8e6f11"

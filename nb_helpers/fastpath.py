@@ -1,6 +1,6 @@
 """The lean, fast GPU training path: the reference recipe's math with less memory and less time per token.
 
-Nine changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
+Ten changes, each measured on its own against the plain transformers + peft + TRL recipe in the same device
 call (bench/throughput.py; results and what did not pay in bench/results/throughput.json and bench/NOTES.md):
 
   * lean prepare (instead of peft's prepare_model_for_kbit_training): the base stays frozen and 16-bit. peft's
@@ -29,10 +29,12 @@ call (bench/throughput.py; results and what did not pay in bench/results/through
     it; auto-fit takes them where they fit, a run set by hand only with cuda_graphs=True).
   * bitsandbytes' AdamW kernels called directly (nb_helpers.optimizer_step), without a device synchronize after
     each of the adapter tensors.
+  * batches padded to a multiple of 64 tokens with eager layers too, as graphed ones are (`pad_lengths`): cuDNN's
+    attention builds new execution plans for every new length, 0.15 s a step at 8 x 2048 whenever one came.
 
 Measured and not kept: torch.compile of each decoder layer (`compile`), TRL's selective checkpointing, fp32
-adapters in bf16 runs, transformers' own synchronous offload, gc.freeze() before training. Built, not yet measured:
-`pad_lengths` (eager batches padded to 64 tokens, for cuDNN's per-length attention plans).
+adapters in bf16 runs, transformers' own synchronous offload, gc.freeze() before training, a DataLoader worker
+process collating the next batch, the Trainer's token count kept on the device (both removed; commit 341eb83).
 
 `NB_FASTPATH` switches levers for benchmarks without touching the config: "lean=0,kernels=0,nomask=0".
 """
