@@ -386,9 +386,12 @@ def test_batches_are_padded_to_64_tokens_where_graphs_run_or_the_pad_lengths_lev
         return SimpleNamespace(_nb_fast=FastOptions(graphs=graphs, reentrant=True, pad_lengths=pad_lengths),
                                _nb_use_graphs=use_graphs)
 
+    monkeypatch.delenv("NB_FASTPATH", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert pad_multiple(model(True, True)) is None
+    assert not FastOptions.from_env().pad_lengths  # the CPU path keeps its measured behaviour
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert FastOptions.from_env().pad_lengths  # on by default on CUDA since device call 23
     assert pad_multiple(model(True, False)) == 64  # graphs
     assert pad_multiple(model(True, False, use_graphs=False)) is None  # auto-fit chose eager layers
     assert pad_multiple(model(True, True, use_graphs=False)) == 64  # eager, with the lever
