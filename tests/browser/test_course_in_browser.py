@@ -249,6 +249,7 @@ def figures_in(nb, index):
 
 
 def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, screenshots):
+    from nb_helpers.benchmarks import load_benchmark
     from nb_helpers.runs import list_runs, load_run
 
     nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()
@@ -260,7 +261,10 @@ def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, 
     assert f"run: {STATE['first_run']}" in figures_in(nb, latest).get_attribute("alt")
     benchmark = figures_in(nb, nb.index_of("plot_benchmark(bench)"))  # section 8: the committed GPU benchmark
     expect(benchmark).to_have_count(1)
-    assert "our speed over the reference: w512" in benchmark.get_attribute("alt")
+    alt = benchmark.get_attribute("alt")
+    ours = [r for r in load_benchmark().rows if r.recipe == "ours"]
+    assert ours and "our speed over the reference:" in alt
+    assert all(f"{r.workload} {r.ratio:.1f}x" in alt for r in ours), (alt, ours)
     runs = [load_run(p) for p in list_runs(project / "runs" / "ci")[-4:]]
     legend_or_run = figures_in(nb, compare).get_attribute("alt")
     assert all(r.label in legend_or_run for r in runs), (legend_or_run, [r.label for r in runs])
@@ -302,6 +306,7 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
 
 
 def test_04_rerun_shows_the_new_run(page, lab, project, screenshots):
+    from nb_helpers.benchmarks import load_benchmark
     from nb_helpers.runs import list_runs, load_run
 
     nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()  # still open in its kernel: no setup re-run
