@@ -62,6 +62,9 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # twenty-fifth device call: at 8 x 2048, graphed layers at 2 x 4 (they fit 4 GiB without offload) against
+        # auto-fit's eager 8 x 1 with offload (graphs remove the host's launches; more micro-steps add host work)
+        run("w2048", "graphs-2x4", 2, 4, cuda_graphs=True),
         # twenty-third device call: eager batches padded to 64 tokens made default, taken out again (two host-side
         # levers measured beside it, a DataLoader worker and a token count without a synchronize, paid nothing and
         # were removed; they are in commit 341eb83)
