@@ -373,7 +373,8 @@ def bookkeeping_args(run: TrainingRun) -> dict:
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
         include_num_input_tokens_seen="non_padding",
-        # CUDA-graphed layers replay one graph per shape: lengths padded to a multiple of 64 make a few shapes
+        # lengths padded to a multiple of 64 make a few shapes: CUDA-graphed layers replay one graph per shape, and
+        # cuDNN's attention builds its plans once per shape (eager layers on CUDA)
         pad_to_multiple_of=pad_multiple(run.model),
         report_to="none",
         data_seed=cfg.seed,
