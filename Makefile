@@ -12,7 +12,7 @@ LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
 .PHONY: setup run test test-unit test-notebooks test-browser lab env clean-notebooks
 
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
-$(STAMP): requirements.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
+$(STAMP): requirements.txt requirements-stack.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r $(if $(shell nvidia-smi -L 2>/dev/null),requirements-gpu.txt,requirements.txt)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .

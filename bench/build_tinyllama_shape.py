@@ -1,10 +1,10 @@
 """Build a random-weight model of a real model's shape (TinyLlama-1.1B by default; --shape for the others), for GPU
 speed and memory runs without the Hub.
 
-Each shape is the public model's config.json as published (bench/shapes/<name>.json: TinyLlama-1.1B, SmolLM2-135M,
+Each shape is the public model's config.json as published (nb_helpers/plan/shapes/<name>.json: TinyLlama-1.1B, SmolLM2-135M,
 Llama-3.2-1B/3B, Qwen2.5-0.5B, Qwen3-0.6B/1.7B/4B, Gemma-3-270M/1B, Phi-4-mini, SmolLM3-3B), so the same bytes and
 FLOPs per token; the loss is meaningless, the cost is real. transformers builds the model from that config alone
-(any family nb_helpers.architecture models), on the GPU when there is one. The tokenizer is a byte-level BPE
+(any family nb_helpers.plan.architecture models), on the GPU when there is one. The tokenizer is a byte-level BPE
 trained on the shipped data with room for 32000 entries (the real tokenizers need the Hub); it only has to produce
 ids inside every shape's embedding (all have >= 32000 rows).
 
@@ -27,12 +27,12 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-SHAPES_DIR = ROOT / "bench" / "shapes"
+SHAPES_DIR = ROOT / "nb_helpers" / "plan" / "shapes"
 TOKENIZER_VOCAB = 32000
 
 
 def shape_config(name: str) -> dict:
-    """config.json of a known shape (bench/shapes/<name>.json)."""
+    """config.json of a known shape (nb_helpers/plan/shapes/<name>.json)."""
     path = SHAPES_DIR / f"{name}.json"
     if not path.exists():
         raise SystemExit(f"unknown shape {name!r}; known: {', '.join(sorted(SHAPES))}")
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print each shape with its parameter count and exit")
     args = parser.parse_args()
     if args.list:
-        from nb_helpers.architecture import Shape
+        from nb_helpers.plan.architecture import Shape
 
         for name, config in SHAPES.items():
             shape = Shape.from_config(config, name=name)
@@ -87,7 +87,7 @@ def main() -> None:
 
 def build(shape: str, out: str, data_dir: Path, max_positions: int | None = None) -> None:
     """A random-weight bf16 model of this shape, saved with the tokenizer (on the GPU when there is one)."""
-    from nb_helpers.architecture import config_object
+    from nb_helpers.plan.architecture import config_object
 
     tokenizer = build_tokenizer(data_dir)  # ids < 32000 fit every shape's embedding
     dims = dict(SHAPES[shape])

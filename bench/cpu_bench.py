@@ -81,7 +81,7 @@ def worker(spec: dict) -> None:
     import torch
 
     from nb_helpers.config import CPU_OVERRIDES, RunConfig
-    from nb_helpers.dtypes import cpu_report
+    from nb_helpers.plan.dtypes import cpu_report
     from nb_helpers.training import train
 
     if spec["threads"]:

@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,13 +38,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from throughput import WARMUP, versions  # noqa: E402  (3 warm-up steps; the library versions)
 
+from nb_helpers.distributed import free_port  # noqa: E402
+
 LOSSES_COMPARED = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(world: int, config: Path, profile_dir: Path | None = None) -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -66,7 +65,7 @@ HOLDOUT = [
     ("h7", "llama-3.2-3b", 1024, 1, 1, 8, QKVO, False, 48),
     ("l6", "llama-3.2-3b", 4096, 2, 1, 16, "all-linear", True, 48),
 ]
-# The lean GPU path (nb_helpers.fastpath: 16-bit residual stream, fused kernels, no mask for right padding), after
+# The lean GPU path (nb_helpers.fast.fastpath: 16-bit residual stream, fused kernels, no mask for right padding), after
 # issue 8. Its constants were fitted on the TinyLlama runs of bench/throughput.py; these points were not seen then.
 LEAN = [
     ("n1", "tinyllama-1.1b", 512, 1, 8, 8, QKVO, True, 4),      # the reference recipe's settings
@@ -87,7 +86,7 @@ LEAN = [
     ("k3", "llama-3.2-3b", 1024, 1, 1, 8, QKVO, False, 48),
 ]
 # Model families beyond Llama (issue 11), on the lean GPU path (the non-Llama families run stock layers: liger is
-# wired for Llama only). Shapes from bench/shapes/; budget 4 GiB where the planner predicts a fit on the H200
+# wired for Llama only). Shapes from nb_helpers/plan/shapes/; budget 4 GiB where the planner predicts a fit on the H200
 # (0.60 GiB context), more where it does not (those points measure the formulas, not the fit). Each family has one
 # point without checkpointing: it measures every per-layer term directly.
 FAMILIES = [
@@ -114,7 +113,7 @@ FAMILIES = [
     ("w1", "qwen2.5-0.5b", 2048, 4, 2, 16, "all-linear", True, 4),
     ("w2", "qwen2.5-0.5b", 512, 4, 1, 8, QKVO, False, 16),
 ]
-# Checkpointed layers as CUDA graphs (nb_helpers.graphed_layers, the GPU default): the graph terms were fitted on
+# Checkpointed layers as CUDA graphs (nb_helpers.fast.graphed_layers, the GPU default): the graph terms were fitted on
 # five TinyLlama runs of bench/throughput.py (call 11); none of these points was seen then. Shapes first, so that a
 # deadline still leaves all three.
 GRAPHED = [

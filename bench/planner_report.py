@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from build_tinyllama_shape import SHAPES  # noqa: E402
 
-from nb_helpers.planner import ALL_LINEAR, QKVO, PlanInput, Shape, plan  # noqa: E402
+from nb_helpers.plan.planner import ALL_LINEAR, QKVO, PlanInput, Shape, plan  # noqa: E402
 
 RAW = ROOT / "bench" / "results" / "raw"
 RESULTS = ROOT / "bench" / "results"

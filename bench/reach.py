@@ -28,8 +28,7 @@ from throughput import summarize, versions  # noqa: E402
 # name: shape, sequence length, micro-batch, accumulation, fast-path levers (None: the default path)
 POINTS = [
     ("tinyllama-1.1b", 16384, 1, 8, "offload=1"),
-    # the side-stream copies keep one more input on the card (0.09 GiB here): at this length only ordered copies fit
-    ("tinyllama-1.1b", 24576, 1, 8, "offload=1,offload_overlap=0"),
+    # (bench/results/reach.json also holds 24,576 tokens with ordered offload copies, a lever since removed)
     ("qwen3-1.7b", 8192, 1, 8, "offload=1"),
     ("qwen3-4b", 2048, 1, 8, "offload=1"),
     ("qwen3-4b", 2048, 1, 8, None),
@@ -41,7 +40,7 @@ def point_name(shape, seq, batch, accum, fast) -> str:
 
 
 def build_shape(name: str, out: Path, max_positions: int) -> Path:
-    """A random-weight model of bench/shapes/<name>.json, built once (bench/build_tinyllama_shape.py)."""
+    """A random-weight model of nb_helpers/plan/shapes/<name>.json, built once (bench/build_tinyllama_shape.py)."""
     if not (out / "config.json").exists():
         from build_tinyllama_shape import build
 
@@ -51,9 +50,9 @@ def build_shape(name: str, out: Path, max_positions: int) -> Path:
 
 def predict(row: dict, context_gib: float) -> float:
     """The planner's peak for a measured point (H200: compute capability 9.0, bf16, batch-1 rows carry no padding)."""
-    from nb_helpers.planner import PlanInput, load_shape, plan
+    from nb_helpers.plan.planner import PlanInput, load_shape, plan
 
-    shape = load_shape(str(ROOT / "bench" / "shapes" / f"{row['shape']}.json"))
+    shape = load_shape(str(ROOT / "nb_helpers" / "plan" / "shapes" / f"{row['shape']}.json"))
     inp = PlanInput(seq=row["seq"], batch=row["batch"], accum=row["accum"], rank=row["rank"],
                     targets=tuple(row["targets"]), context_gib=context_gib, gpu_capability=(9, 0),
                     offload="offload" in row["options"], offload_overlap=row.get("offload_overlap", True),
@@ -66,7 +65,7 @@ def with_predictions(raw: dict, context_gib: float) -> dict:
         row["predicted_gib"] = round(predict(row, context_gib), 3)
         if row.get("peak_device_gib"):
             row["error_pct"] = round(100 * (row["predicted_gib"] - row["peak_device_gib"]) / row["peak_device_gib"], 1)
-    raw["predicted_with"] = f"nb_helpers.planner, CUDA context {context_gib:.3f} GiB (measured in the same call)"
+    raw["predicted_with"] = f"nb_helpers.plan.planner, CUDA context {context_gib:.3f} GiB (measured in the same call)"
     return raw
 
 

@@ -21,8 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 from nb_helpers.config import RunConfig  # noqa: E402
 from nb_helpers.models import ModelChoice, ensure_embedded_model, load_4bit, load_tokenizer  # noqa: E402
-from nb_helpers.planner import PlanInput, Shape, layer_activation_bytes_per_token  # noqa: E402
-from nb_helpers.training import TrainingRun, attach_lora, build_trainer  # noqa: E402
+from nb_helpers.plan.activations import layer_activation_bytes_per_token  # noqa: E402
+from nb_helpers.plan.planner import PlanInput, Shape  # noqa: E402
+from nb_helpers.training import TrainingRun, build_trainer  # noqa: E402
+from nb_helpers.lora import attach_lora
 
 DIMS = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
             max_position_embeddings=4096, tie_word_embeddings=False)

@@ -1,6 +1,6 @@
 """Count what one decoder layer saves for backward, per token, for each model family, with saved-tensor hooks (CPU).
 
-Like bench/saved_tensors.py, for the families nb_helpers.architecture models: 1- and 2-layer models of each family
+Like bench/saved_tensors.py, for the families nb_helpers.plan.architecture models: 1- and 2-layer models of each family
 (hidden 256, 8 heads, 2 KV heads; tests/families.py), one real SFTTrainer step on the lean path (4-bit base, LoRA
 r=8 on the recipe's q,k,v,o under the model's names, dropout 0.05, bf16, TRL's fused loss, GC off, stock layers,
 no mask) at 128 and 256 tokens; the per-layer, per-token difference against the planner's CUDA formula. On the CPU
@@ -25,10 +25,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from families import build, tiny_config  # noqa: E402
 
-from nb_helpers.architecture import Shape  # noqa: E402
-from nb_helpers.fastpath import FastOptions  # noqa: E402
+from nb_helpers.plan.architecture import Shape  # noqa: E402
+from nb_helpers.fast.fastpath import FastOptions  # noqa: E402
 from nb_helpers.models import ensure_embedded_model, load_tokenizer  # noqa: E402
-from nb_helpers.planner import PlanInput, layer_activation_bytes_per_token, plan_targets  # noqa: E402
+from nb_helpers.plan.activations import layer_activation_bytes_per_token  # noqa: E402
+from nb_helpers.plan.architecture import plan_targets  # noqa: E402
+from nb_helpers.plan.planner import PlanInput  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from saved_tensors import step_saved_bytes  # noqa: E402
 

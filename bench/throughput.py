@@ -49,6 +49,9 @@ def main_runs(workload: str, steps: int) -> list[dict]:
     if workload == "w2048":  # the profiled last step is not timed: one more step keeps 10 timed
         for run in runs:
             run.update(profile=True, steps=run["steps"] + 1)
+    # RunConfig(fast_path=False): our course's code on the plain stack, which must be the reference's run (same losses,
+    # same memory); the reference's steps and profiling, so every loss and the same measurement are compared
+    runs.append(dict(runs[0], name="ours-plain-1x8", recipe="ours", fast_path=False))
     if workload != "shipped":  # the reference's own settings set by hand: lean (memory), and with graphs asked for
         runs.append(dict(ref, name="ours-1x8", recipe="ours", steps=8))
         runs.append(dict(ref, name="ours-1x8-graphs", recipe="ours", steps=8, cuda_graphs=True))
@@ -96,22 +99,15 @@ def lever_runs(steps: int) -> list[dict]:
         run("w512", "host-profile-8x1-call6", 8, 1, cprofile=True),
         run("w512", "host-profile-8x1-call8", 8, 1, cprofile=True),
         run("w512", "busy-8x1", 8, 1, profile=True, steps=steps + 1),  # the GPU's busy share at W512
-        run("w2048", "offload-same-stream-8x1", 8, 1, fast="offload=1,offload_overlap=0", profile=True,
-            steps=steps + 1),
         # fifth device call: fused QLoRA layers are the default now; these runs take them out again
         run("w512", "unfused-8x1", 8, 1, fast="fused_lora=0"),
         run("w2048", "unfused-offload-8x1", 8, 1, fast="fused_lora=0,offload=1"),
         run("w2048", "offload-4x2", 4, 2, fast="offload=1"),
-        run("w512", "compile-nokernels-fused-8x1", 8, 1, fast="compile=1,kernels=0"),
         # fourth device call: checkpoints offloaded to CPU RAM, so that W2048 fits 8 x 1 (half the launches per token)
         run("w2048", "offload-8x1", 8, 1, fast="offload=1"),
-        run("w2048", "offload-sync-8x1", 8, 1, fast="offload_sync=1"),
-        # third device call: compiled decoder layers (the host-overhead lever), and where the host time goes
-        run("w512", "compile-8x1", 8, 1, fast="compile=1"),
-        run("w512", "compile-nokernels-8x1", 8, 1, fast="compile=1,kernels=0"),
+        # third device call: where the host time goes (its compiled decoder layers, a lever since removed, are in
+        # bench/NOTES.md and bench/results/throughput-levers.json)
         run("w512", "host-profile-8x1", 8, 1, cprofile=True),
-        run("w2048", "compile-4x2", 4, 2, fast="compile=1", profile=True, steps=steps + 1),
-        run("shipped", "compile-8x1-no-gc", 8, 1, gc=False, fast="compile=1"),
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
         # second device call: each lever added alone on top of the previous one, at 8 x 1
         run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0,expandable=0"),
@@ -120,13 +116,13 @@ def lever_runs(steps: int) -> list[dict]:
         run("w512", "all-8x1", 8, 1),
         run("shipped", "all-8x1", 8, 1),
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
-        # first device call (before the expandable-segments lever existed)
+        # first device call (before the expandable-segments lever existed). Levers measured and removed since
+        # (compile, offload_sync, offload_overlap=0, selective_gc, adapters_fp32) keep their results in
+        # bench/results/throughput-levers.json and bench/NOTES.md
         run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
         run("w512", "lean-8x1-call1", 8, 1, fast="kernels=0,nomask=0"),
-        run("w2048", "all-4x2-selective-gc", 4, 2, fast="selective_gc=1"),
         run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
         run("w2048", "lean-4x2", 4, 2, fast="kernels=0,nomask=0"),
-        run("w512", "all-8x1-fp32-adapters", 8, 1, fast="adapters_fp32=1"),
     ]
 
 
@@ -274,7 +270,7 @@ def reference_worker(spec: dict) -> dict:
     from nb_helpers.memory import memory_snapshot, record_nvml_baseline
 
     record_nvml_baseline(0)
-    from nb_helpers.memory import enforce_budget
+    from nb_helpers.plan.budget import enforce_budget
 
     budget = enforce_budget(spec["budget"])
     import torch
@@ -338,7 +334,7 @@ def ours_worker(spec: dict) -> dict:
                     max_length=spec["seq"], micro_batch_size=spec["batch"], grad_accum=spec["accum"],
                     gradient_checkpointing=spec["gc"], max_steps=spec["steps"], save_steps=10_000,
                     budget_gib=spec["budget"], auto_fit=spec.get("auto_fit", False), compute_dtype="bfloat16",
-                    cuda_graphs=spec.get("cuda_graphs"),
+                    cuda_graphs=spec.get("cuda_graphs"), fast_path=spec.get("fast_path", True),
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))
@@ -356,7 +352,7 @@ def ours_worker(spec: dict) -> dict:
             "gc_ms_per_step": recorder.gc_steps,
             "predicted_peak_gib": summary.get("predicted_peak_gib"), "host_profile": host.report,
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
-                         "gc": chosen["gradient_checkpointing"]}}
+                         "gc": chosen["gradient_checkpointing"]}, "fast_levers": summary.get("fast_levers")}
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
@@ -384,7 +380,7 @@ def summarize(spec: dict, result: dict) -> dict:
             "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
             "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
             "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
-            "host_profile": result.get("host_profile")}
+            "host_profile": result.get("host_profile"), "fast_levers": result.get("fast_levers")}
 
 
 def cpu_throttling() -> dict:
@@ -398,16 +394,9 @@ def cpu_throttling() -> dict:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-    import platform
+    from nb_helpers.summary import package_versions
 
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "liger-kernel", "triton"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
+    return package_versions()
 
 
 def main() -> None:
@@ -502,9 +491,23 @@ def main() -> None:
         if proc.returncode != 0:
             print("    " + row["error_tail"][-600:].replace("\n", "\n    "), flush=True)
         entry["reference"], entry["ours"] = entry["runs"].get("reference"), entry["runs"].get("ours")
+        entry["plain_vs_reference"] = plain_vs_reference(entry["runs"])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print_table(out)
+
+
+def plain_vs_reference(runs: dict) -> dict | None:
+    """fast_path=False against the reference, same call: the largest relative loss difference over the steps both
+    ran, and the peak memory ratios (NVML device-used, context included; PyTorch reserved)."""
+    ref, plain = runs.get("reference") or {}, runs.get("ours-plain-1x8") or {}
+    if not (ref.get("losses") and plain.get("losses")):
+        return None
+    pairs = list(zip(ref["losses"], plain["losses"]))
+    ratio = lambda key: plain[key] / ref[key] if ref.get(key) and plain.get(key) else None  # noqa: E731
+    return {"steps_compared": len(pairs), "max_loss_rel_diff": max(abs(b - a) / abs(a) for a, b in pairs),
+            "device_gib_ratio": ratio("peak_device_gib"), "reserved_gib_ratio": ratio("peak_reserved_gib"),
+            "speed_ratio": ratio("tokens_per_s")}
 
 
 def print_table(out: dict) -> None:
@@ -519,6 +522,8 @@ def print_table(out: dict) -> None:
                   f"{r.get('ratio_to_reference') or float('nan'):6.2f}{r.get('peak_device_gib') or float('nan'):8.2f}"
                   f"{r.get('peak_reserved_gib') or float('nan'):8.2f}{busy if busy is not None else float('nan'):6.2f}"
                   f"  {' '.join(f'{x:.2f}' for x in (r.get('losses') or [])[:4])}")
+        if entry.get("plain_vs_reference"):
+            print(f"{workload:<9}fast_path=False against the reference: {entry['plain_vs_reference']}")
 
 
 if __name__ == "__main__":

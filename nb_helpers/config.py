@@ -17,6 +17,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # The one switch that shrinks every notebook and the headless run for CI (nbdev's IN_TEST idea).
 CI_ENV_VAR = "NB_CI"
+# Keys a run's config.json records beside the knobs (what ran, not what to set); RunConfig.load skips them
+RECORD_KEYS = ("fast_levers",)
 # Optional JSON file of overrides that every notebook's default_config() applies (used by `make run`).
 CONFIG_ENV_VAR = "NB_CONFIG"
 
@@ -87,6 +89,9 @@ class RunConfig:
     run_name: str | None = None  # None = timestamp + model + rank
     budget_gib: float | None = None  # emulate a smaller card on a bigger one (CUDA only), context included
     auto_fit: bool = False  # GPU: pick micro-batch x accumulation and GC that fit budget_gib, same effective batch
+    # GPU: the fenced fast path (nb_helpers.fast: fused kernels, no mask, CUDA graphs, ...); False trains the plain
+    # transformers + peft + TRL stack of the reference recipe, same math, slower. No effect on a CPU
+    fast_path: bool = True
     vram_warn_gib: float = 3.9  # flag steps above this in the analysis (4 GB card)
 
     # ------------------------------------------------------------------------------------------
@@ -106,13 +111,17 @@ class RunConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
         known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in RECORD_KEYS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}; valid keys are: {', '.join(sorted(known))}")
         return cls(**data)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+    def save(self, path: str | Path, record: dict | None = None) -> None:
+        """The knobs, plus `record`: what the run found out about them (RECORD_KEYS, e.g. the fast path's levers
+        that ran), which loading the file ignores."""
+        data = {**self.to_dict(), **{k: v for k, v in (record or {}).items() if k in RECORD_KEYS}}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
@@ -169,6 +178,8 @@ class RunConfig:
         runs = self.resolve_path(self.runs_dir)
         if runs.exists() and not runs.is_dir():
             problems.append(f"runs_dir={self.runs_dir!r} is a file; point it at a folder")
+        if not isinstance(self.fast_path, bool):
+            problems.append(f"fast_path={self.fast_path!r}: use True (the fast GPU path) or False (the plain stack)")
         if self.cuda_graphs not in (None, True, False):
             problems.append(f"cuda_graphs={self.cuda_graphs!r}: use True, False or None (auto_fit decides)")
         if self.budget_gib is not None and self.budget_gib <= 0:
@@ -225,8 +236,26 @@ def default_config(**overrides) -> RunConfig:
         cfg = RunConfig.from_dict({**cfg.to_dict(), **values})
         print(f"[config] {reason}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     if not has_cuda and cfg.compute_dtype == "auto":
-        from .dtypes import compute_dtype_for, dtype_reason
+        from nb_helpers.plan.dtypes import compute_dtype_for, dtype_reason
 
         dtype = compute_dtype_for(None)
         print(f"[config] compute_dtype=auto on this CPU: {dtype}, because {dtype_reason(None, dtype)}")
     return cfg.validate()
+
+
+def parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # bare strings: --set model=path/to/model
+
+
+def apply_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
+    """The command line's `--set KEY=VALUE` overrides, each VALUE read as JSON (a bare word stays a string)."""
+    changes = {}
+    for item in sets:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: use KEY=VALUE, e.g. --set lora_r=16")
+        key, value = item.split("=", 1)
+        changes[key.strip()] = parse_value(value)
+    return RunConfig.from_dict({**cfg.to_dict(), **changes}).validate() if changes else cfg

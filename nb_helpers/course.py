@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, default_config
+from nb_helpers.config import ConfigError, RunConfig, default_config
 
 CARRY_FILE = "course-config.json"
 

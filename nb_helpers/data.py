@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig
+from nb_helpers.config import RunConfig
 
 ROLES = ("system", "user", "assistant")
 FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),

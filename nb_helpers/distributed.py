@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def world_size() -> int:
@@ -191,3 +192,45 @@ def one_gpu_per_process(args) -> bool:
           "accelerate launch --multi_gpu --num_processes N -m nb_helpers train ...", flush=True)
     args._n_gpu = 1  # what TrainingArguments itself sets for a model split over devices
     return True
+
+
+def split_over_processes(cfg, world: int, verbose: bool = True):
+    """Each process's share of the global batch (per_process_batch); one process: cfg."""
+    if world <= 1:
+        return cfg
+    try:
+        micro, accum = per_process_batch(cfg.micro_batch_size, cfg.grad_accum, world)
+    except ValueError as e:
+        from nb_helpers.config import ConfigError
+
+        raise ConfigError(str(e)) from None
+    if verbose:
+        print(describe_split(cfg.micro_batch_size, cfg.grad_accum, world))
+    return cfg.replace(micro_batch_size=micro, grad_accum=accum)
+
+def checkpoint_world_size(checkpoint: str | Path) -> int:
+    """How many processes wrote a checkpoint: the Trainer saves one RNG state per process (rng_state_<rank>.pth),
+    or rng_state.pth alone for one process."""
+    ranks = list(Path(checkpoint).glob("rng_state_*.pth"))
+    return len(ranks) or 1
+
+def resume_note(checkpoint: str | Path, world: int) -> str:
+    """What resuming on `world` processes keeps, and what it cannot keep when the checkpoint had another count."""
+    before = checkpoint_world_size(checkpoint)
+    if before == world:
+        return (f"[run] resuming on {world} process{'es' if world > 1 else ''}, as the checkpoint was trained: the "
+                "same global batch, data order and RNG state as an uninterrupted run")
+    return (f"[run] the checkpoint was trained on {before} process{'es' if before > 1 else ''} and resumes on {world}: "
+            "the global batch stays as config.json gives it (each process's accumulation is adjusted), and the "
+            "optimizer and scheduler continue, but the rows are dealt to processes differently, so the data "
+            "order from here can differ from an uninterrupted run, and processes with no RNG state of their own in "
+            "the checkpoint start their dropout from the seed: the loss curve will not match one run step for step")
+
+
+def free_port() -> int:
+    """A free TCP port on this machine for accelerate's rendezvous (tests and bench start several launches)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -10,10 +10,8 @@ import sys
 import urllib.request
 from dataclasses import dataclass, field
 
-from .config import PROJECT_ROOT, default_config
-# compute_dtype_for and resolve_compute_dtype are re-exported: notebook 00 and older code import them from here.
-from .dtypes import (compute_dtype_for, cpu_report, cuda_capability, dtype_reason,  # noqa: F401
-                     resolve_compute_dtype)
+from nb_helpers.config import PROJECT_ROOT, default_config
+from nb_helpers.plan.dtypes import compute_dtype_for, cpu_report, cuda_capability, dtype_reason
 
 HUB_URL = "https://huggingface.co/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
@@ -79,8 +77,8 @@ def bnb_roundtrip(device: str) -> tuple[bool, str]:
         return False, f"bitsandbytes could not quantize on {device}: {type(e).__name__}: {e}"
 
 
-def check_environment(check_hub: bool = True) -> EnvReport:
-    report = EnvReport()
+def _check_packages(report: EnvReport):
+    """The OS, Python and the training stack's packages; returns torch, or None when it is missing."""
     report.add("OS", "OK", f"{platform.system()} {platform.release()} ({platform.machine()})")
     py_ok = sys.version_info >= (3, 10)
     report.add("Python", "OK" if py_ok else "FAIL", platform.python_version() + ("" if py_ok else " - need 3.10+"))
@@ -89,7 +87,7 @@ def check_environment(check_hub: bool = True) -> EnvReport:
         import torch
     except ImportError:
         report.add("torch", "FAIL", "not installed - run `make run` or `pip install -r requirements.txt`")
-        return report
+        return None
     report.add("torch", "OK", torch.__version__)
     for name in ("transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
         try:
@@ -97,40 +95,36 @@ def check_environment(check_hub: bool = True) -> EnvReport:
             report.add(name, "OK", module.__version__)
         except Exception as e:
             report.add(name, "FAIL", f"cannot import ({e}) - reinstall with `make run`")
+    return torch
 
-    capability = cuda_capability()
+
+def _check_gpu(report: EnvReport, torch, capability) -> str:
+    """The CUDA GPU, its driver and VRAM (or the CPU fallback); returns the device the checks after it use."""
     report.facts["cuda"] = capability is not None
     if capability is None:
         report.add("GPU", "WARN", "no CUDA GPU found: training runs on the CPU, slowly, with the small embedded "
                    "model (SmolLM2-135M). Everything in the course still works; the VRAM columns stay empty.")
-        device = "cpu"
-    else:
-        props = torch.cuda.get_device_properties(0)
-        free, total = torch.cuda.mem_get_info(0)
-        driver = "unknown"
-        try:
-            import pynvml
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    free, total = torch.cuda.mem_get_info(0)
+    driver = "unknown"
+    try:
+        import pynvml
 
-            pynvml.nvmlInit()
-            driver = pynvml.nvmlSystemGetDriverVersion()
-        except Exception:
-            pass
-        report.facts.update(gpu=props.name, capability=capability, vram_total_gib=total / 2**30,
-                            vram_free_gib=free / 2**30)
-        report.add("CUDA", "OK", f"CUDA {torch.version.cuda}, driver {driver}")
-        report.add("GPU", "OK", f"{props.name}, compute capability {capability[0]}.{capability[1]}")
-        vram_status = "OK" if total / 2**30 >= 3.5 else "WARN"
-        report.add("VRAM", vram_status, f"{total / 2**30:.2f} GiB total, {free / 2**30:.2f} GiB free")
-        device = "cuda"
-    dtype = compute_dtype_for(capability)
-    report.facts["compute_dtype"] = dtype
-    if capability is None:
-        report.facts["cpu"] = cpu_report()
-    report.add("compute dtype", "OK", f"{dtype} ({dtype_reason(capability, dtype)})")
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    except Exception:
+        pass
+    report.facts.update(gpu=props.name, capability=capability, vram_total_gib=total / 2**30,
+                        vram_free_gib=free / 2**30)
+    report.add("CUDA", "OK", f"CUDA {torch.version.cuda}, driver {driver}")
+    report.add("GPU", "OK", f"{props.name}, compute capability {capability[0]}.{capability[1]}")
+    vram_status = "OK" if total / 2**30 >= 3.5 else "WARN"
+    report.add("VRAM", vram_status, f"{total / 2**30:.2f} GiB total, {free / 2**30:.2f} GiB free")
+    return "cuda"
 
-    ok, detail = bnb_roundtrip(device)
-    report.add("bitsandbytes 4-bit", "OK" if ok else "FAIL", detail)
 
+def _check_hub_and_disk(report: EnvReport, check_hub: bool) -> None:
     if check_hub:
         reachable = hub_reachable()
         report.facts["hub"] = reachable
@@ -142,8 +136,11 @@ def check_environment(check_hub: bool = True) -> EnvReport:
     disk_status = "OK" if free_gib >= 10 else ("WARN" if free_gib >= 2 else "FAIL")
     report.add("disk", disk_status, f"{free_gib:.1f} GiB free at {PROJECT_ROOT} (a 1B model needs ~2.5 GiB of cache)")
 
+
+def _recommended(capability, dtype: str) -> dict:
+    """The starting config the report recommends for this machine."""
     cfg = default_config()
-    report.recommended = {
+    return {
         "model": cfg.model or ("TinyLlama/TinyLlama-1.1B-Chat-v1.0" if capability else "embedded SmolLM2-135M-Instruct"),
         "compute_dtype": dtype,
         "micro_batch_size": cfg.micro_batch_size,
@@ -153,4 +150,25 @@ def check_environment(check_hub: bool = True) -> EnvReport:
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "optim": cfg.optim,
     }
+
+
+def check_environment(check_hub: bool = True) -> EnvReport:
+    report = EnvReport()
+    torch = _check_packages(report)
+    if torch is None:
+        return report
+
+    capability = cuda_capability()
+    device = _check_gpu(report, torch, capability)
+    dtype = compute_dtype_for(capability)
+    report.facts["compute_dtype"] = dtype
+    if capability is None:
+        report.facts["cpu"] = cpu_report()
+    report.add("compute dtype", "OK", f"{dtype} ({dtype_reason(capability, dtype)})")
+
+    ok, detail = bnb_roundtrip(device)
+    report.add("bitsandbytes 4-bit", "OK" if ok else "FAIL", detail)
+
+    _check_hub_and_disk(report, check_hub)
+    report.recommended = _recommended(capability, dtype)
     return report

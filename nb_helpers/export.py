@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError
+from nb_helpers.config import ConfigError
 
 GGUF_KINDS = ("f16", "q8_0")  # F16: lossless for bf16 weights in f16's range; Q8_0: 8.5 bits per weight
 LLAMA_ARCHITECTURES = {"LlamaForCausalLM"}
@@ -41,9 +41,9 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path | None = None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .config import RunConfig
-    from .models import load_tokenizer, resolve_model
-    from .runs import load_run
+    from nb_helpers.config import RunConfig
+    from nb_helpers.models import load_tokenizer, resolve_model
+    from nb_helpers.runs import load_run
 
     run = load_run(run_dir)
     choice = resolve_model(RunConfig.from_dict(run.config), verbose=False)
@@ -232,7 +232,7 @@ def greedy_agreement(reference_answers: list[str], candidate, conversations: lis
     """The greedy answers of a (model, tokenizer) pair, through its own tokenizer and chat template, against the
     reference's answers to the same chat prompts (task_metric.generate, computed once for every file checked):
     {"agree": n, "total": n, "rate": share, "pairs": [(reference, candidate), ...]}."""
-    from .task_metric import generate
+    from nb_helpers.task_metric import generate
 
     theirs = generate(*candidate, conversations, max_new_tokens)
     agree = sum(a == b for a, b in zip(reference_answers, theirs))
@@ -356,8 +356,8 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import load_tokenizer
-    from .task_metric import generate
+    from nb_helpers.models import load_tokenizer
+    from nb_helpers.task_metric import generate
 
     model_dir = Path(model_dir)
     out_dir = Path(out_dir or model_dir.parent / "gguf")

@@ -6,6 +6,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+_SAID: set[str] = set()
+
+
+def say_once(key: str, message: str) -> None:
+    """Print `message` the first time `key` is said in this process: a fallback or a choice is news once, not at
+    every model or step."""
+    if key not in _SAID:
+        _SAID.add(key)
+        print(message, flush=True)
+
 
 def in_notebook() -> bool:
     """True inside a Jupyter kernel (JupyterLab, nbclient, nbmake), False in a terminal or a script."""

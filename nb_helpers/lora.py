@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .config import ConfigError, RunConfig
+from nb_helpers.config import ConfigError, RunConfig
 
 
 def linear_layer_names(model) -> dict[str, int]:
@@ -21,7 +21,7 @@ def linear_layer_names(model) -> dict[str, int]:
 
 def check_targets(model, targets: list[str]) -> list[str]:
     """The targets under this model's names (Phi fuses q/k/v into qkv_proj), or ConfigError naming the real ones."""
-    from .architecture import resolve_targets
+    from nb_helpers.plan.architecture import resolve_targets
 
     try:
         return list(resolve_targets(targets, linear_layer_names(model)))
@@ -74,9 +74,9 @@ BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 valu
 
 def adapter_param_bytes(compute_dtype: str, load_in_4bit: bool = True, adapters_fp32: bool = False) -> int:
     """Bytes per LoRA parameter as training holds it. TRL 1.16 casts the adapters of a quantized model to bf16;
-    training.build_trainer casts them back to fp32 when the run is not bf16 (fp16 mixed precision cannot unscale
-    bf16 gradients; fp32 runs compute in fp32) or when fastpath's adapters_fp32 asks. Unquantized models keep
-    peft's fp32 adapters. `compute_dtype` is the resolved dtype, not "auto"."""
+    trainer_setup.adapt_trainer casts them back to fp32 when the run is not bf16 (fp16 mixed precision cannot unscale
+    bf16 gradients; fp32 runs compute in fp32); `adapters_fp32` models fp32 adapters in a bf16 run (measured once on
+    the GPU, bench/NOTES.md, not kept). Unquantized models keep peft's fp32 adapters. `compute_dtype` is the resolved dtype, not "auto"."""
     return 2 if load_in_4bit and compute_dtype == "bfloat16" and not adapters_fp32 else 4
 
 
@@ -102,13 +102,37 @@ def adapter_training_bytes(trainable, optim: str, compute_dtype: str = "auto", l
     """Bytes the adapter costs during training: weights + gradients (in the dtype training holds them,
     adapter_param_bytes) + optimizer state. `trainable` is the model (exact: one entry per tensor), a list of
     tensor sizes, or a parameter count (read as one tensor)."""
-    from .dtypes import resolve_compute_dtype
-    from .fastpath import FastOptions
+    from nb_helpers.plan.dtypes import resolve_compute_dtype
 
     sizes = adapter_sizes(trainable) if hasattr(trainable, "parameters") else \
         ([trainable] if isinstance(trainable, int) else list(trainable))
-    per_param = adapter_param_bytes(resolve_compute_dtype(compute_dtype), load_in_4bit,
-                                    FastOptions.from_env().adapters_fp32)
+    per_param = adapter_param_bytes(resolve_compute_dtype(compute_dtype), load_in_4bit)
     weights = per_param * sum(sizes)
     state = optimizer_bytes(sizes, optim, per_param)
     return {"weights": weights, "gradients": weights, "optimizer_state": state, "total": 2 * weights + state}
+
+
+def attach_lora(model, cfg: RunConfig, fast=None):
+    """Freeze the 4-bit base, attach LoRA with get_peft_model, as notebook 02 shows; on a GPU the fast path's levers
+    go on around it (nb_helpers.fast; `fast_path=False` leaves the plain stack).
+
+    peft's prepare_model_for_kbit_training upcasts embeddings, head and norms to fp32, which makes the residual stream
+    and every checkpoint fp32: 1.03 GiB more at 8 x 512 tokens on an H200, at the same speed and losses
+    (bench/NOTES.md). The recipe as written never calls it, so a GPU run only freezes the base; the CPU path keeps it
+    (its results were measured with it), and NB_FASTPATH=lean=0 brings it back on a GPU."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    from nb_helpers import fast as fastpath
+
+    fast = fast or fastpath.options_for(cfg)
+    check_targets(model, cfg.target_modules)
+    if cfg.load_in_4bit and not fast.lean:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.load_in_4bit:
+        for param in model.parameters():
+            param.requires_grad_(False)  # the base stays frozen and 16-bit; LoRA adds the only trainable weights
+    fastpath.before_lora(model, fast)
+    model = get_peft_model(model, lora_config(cfg, model))  # targets under the model's names (Phi: qkv_proj)
+    fastpath.after_lora(model, fast, cfg)
+    return model

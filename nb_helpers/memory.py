@@ -1,5 +1,4 @@
-"""Device memory, in one place: what this process uses on the GPU, and a budget that makes a big GPU behave like a
-small card.
+"""Device memory, in one place: what this process uses on the GPU (the emulated card's cap is nb_helpers.plan.budget).
 
 Two numbers answer different questions:
   torch_*_gib      PyTorch's caching allocator (what set_per_process_memory_fraction caps)
@@ -7,8 +6,8 @@ Two numbers answer different questions:
                    including the CUDA context and bitsandbytes' paged buffers, i.e. what must fit the card.
 
 A 4 GB card gives a process 4 GiB minus its CUDA context (~0.3 GiB on consumer cards, ~0.6 GiB on an H200 with
-CUDA 13). PyTorch's per-process fraction caps only its caching allocator, so enforce_budget measures the context and
-caps the allocator at budget - context. Memory allocated outside the allocator (bitsandbytes' paged optimizer
+CUDA 13). PyTorch's per-process fraction caps only its caching allocator, so plan.budget.enforce_budget measures the
+context and caps the allocator at budget - context. Memory allocated outside the allocator (bitsandbytes' paged optimizer
 buffers) is not capped: the per-step NVML number in metrics.jsonl shows it.
 """
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 
 _NVML_BASELINE: float | None = None  # device "used" bytes without this process; set once by record_nvml_baseline
 
@@ -108,18 +106,6 @@ def memory_snapshot() -> dict:
     return snap
 
 
-@dataclass
-class Budget:
-    budget_gib: float
-    context_gib: float
-    allocator_cap_gib: float
-    total_gib: float
-
-    def describe(self) -> str:
-        return (f"budget {self.budget_gib:.2f} GiB = CUDA context {self.context_gib:.2f} GiB + "
-                f"PyTorch allocator cap {self.allocator_cap_gib:.2f} GiB (card has {self.total_gib:.1f} GiB)")
-
-
 _CONTEXT_PROBE = """
 import pynvml, torch
 pynvml.nvmlInit()
@@ -137,21 +123,3 @@ def measure_context_bytes(index: int = 0) -> float:
     out = subprocess.run([sys.executable, "-c", _CONTEXT_PROBE.format(index=index)], capture_output=True,
                          text=True, timeout=180, check=True)
     return max(0.0, float(out.stdout.strip().splitlines()[-1]))
-
-
-def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("enforce_budget needs a CUDA GPU; on the CPU there is no device memory to cap")
-    record_nvml_baseline(device)  # corrected for a context created earlier, if there is one
-    torch.ones(1, device=f"cuda:{device}")  # make sure the context exists so it can be measured
-    torch.cuda.synchronize(device)
-    context = outside_allocator_gib(device)
-    total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    cap = budget_gib - context
-    if cap <= 0.1:
-        raise RuntimeError(f"a {budget_gib} GiB budget leaves nothing after the {context:.2f} GiB CUDA context; "
-                           "raise budget_gib")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-    return Budget(budget_gib, context, cap, total)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .memory import memory_snapshot
+from nb_helpers.memory import memory_snapshot
 
 
 def _sync() -> None:

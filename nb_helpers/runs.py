@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import RunConfig
-from .metrics import read_metrics
+from nb_helpers.config import RunConfig
+from nb_helpers.metrics import read_metrics
 
 
 def runs_root(cfg: RunConfig) -> Path:
@@ -76,8 +76,13 @@ def load_run(path: str | Path) -> Run:
     path = resolve_run(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such run folder — train first (notebook 03) or pick one from list_runs()")
-    read = lambda name: json.loads((path / name).read_text(encoding="utf-8")) if (path / name).exists() else {}
-    return Run(path, read("config.json"), read_metrics(path / "metrics.jsonl"), read("summary.json"))
+    return Run(path, read_json(path / "config.json"), read_metrics(path / "metrics.jsonl"),
+               read_json(path / "summary.json"))
+
+
+def read_json(path: Path) -> dict:
+    """A run folder's JSON file, or {} before it is written."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def list_runs(root: str | Path) -> list[Path]:

@@ -10,8 +10,8 @@ import os
 import platform
 from pathlib import Path
 
-from .metrics import median, read_metrics
-from .runs import write_json
+from nb_helpers.metrics import median, read_metrics
+from nb_helpers.runs import write_json
 
 SUMMARY_KEYS = {
     "model": "the model's name",
@@ -45,6 +45,7 @@ DETAIL_KEYS = {
     "global_batch": "sequences per optimizer step over all processes: micro-batch x accumulation x world_size",
     "per_process_batch": "[micro-batch, accumulation] each process ran (config.json keeps the one-process equivalent)",
     "peak_vram_gib_per_process": "with several processes: each one's peak device memory by NVML, in rank order",
+    "fast_levers": "GPU: each lever of the fast path (nb_helpers.fast) and whether this run used it ({} on the CPU)",
 }
 BEFORE_TRAINING_KEYS = ("task_metric", "task_base", "eval_loss_before")  # a resumed run keeps its first measures
 
@@ -63,7 +64,8 @@ def package_versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
+    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets", "liger-kernel",
+                 "triton"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:

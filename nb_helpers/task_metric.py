@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 
-from .data import answer_text, prompt_messages
+from nb_helpers.data import answer_text, prompt_messages
 
 JSON_METRIC = "json_field_accuracy"
 EXACT_METRIC = "exact_match"
@@ -82,7 +82,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
 
     from transformers import LogitsProcessorList
 
-    from .frontend import progress_bar
+    from nb_helpers.frontend import progress_bar
 
     batches = range(0, len(conversations), batch_size)
     bar = progress_bar(len(batches) * max_new_tokens,

@@ -27,7 +27,7 @@ def build(config: dict, device: str = "meta"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nb_helpers.architecture import config_object
+    from nb_helpers.plan.architecture import config_object
 
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config_object(config))

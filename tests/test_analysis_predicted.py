@@ -2,7 +2,7 @@
 
 import pytest
 
-from nb_helpers.analysis import predicted_vs_measured, predicted_vs_measured_report
+from nb_helpers.ui.analysis import predicted_vs_measured, predicted_vs_measured_report
 
 COMPONENTS = {"context": 0.30, "runtime": 0.145, "weights_4bit": 0.5, "optimizer_paged": 0.05, "upcast": 0.0,
               "activations_kept": 0.6, "allocator": 0.1}  # GiB, as train() writes them

@@ -98,7 +98,8 @@ def test_keyword_exists_in_pinned_version(where, callee, keyword, line):
 
 def test_sft_config_builds_with_every_knob(tmp_path):
     from nb_helpers.config import RunConfig
-    from nb_helpers.training import TrainingRun, sft_config
+    from nb_helpers.training import TrainingRun
+    from nb_helpers.trainer_setup import sft_config
 
     args = sft_config(TrainingRun(RunConfig(), run_dir=tmp_path))
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)

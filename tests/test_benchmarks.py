@@ -1,11 +1,11 @@
-"""nb_helpers.benchmarks and plots.plot_benchmark: notebook 04 reads the committed GPU benchmark."""
+"""nb_helpers.ui.benchmarks and plots.plot_benchmark: notebook 04 reads the committed GPU benchmark."""
 
 import json
 
 import pytest
 
-from nb_helpers.benchmarks import THROUGHPUT_JSON, benchmark_markdown, load_benchmark
-from nb_helpers.plots import plot_benchmark
+from nb_helpers.ui.benchmarks import THROUGHPUT_JSON, benchmark_markdown, load_benchmark
+from nb_helpers.ui.plots import plot_benchmark
 
 
 def test_the_committed_benchmark_gives_each_workload_its_reference_and_ours():

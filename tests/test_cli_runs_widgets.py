@@ -49,7 +49,7 @@ def test_run_dirs_latest_and_listing(tmp_path):
 
 
 def test_widgets_write_the_config_and_refuse_bad_values():
-    from nb_helpers.widgets import TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import TRAIN_FIELDS, config_widgets
 
     cfg = RunConfig()
     box = config_widgets(cfg, fields=TRAIN_FIELDS)
@@ -66,7 +66,7 @@ def test_widgets_write_the_config_and_refuse_bad_values():
 
 def test_learning_rate_control_keeps_the_exact_value():
     """A log slider snapped 2e-4 to 1.995e-4 on display; the control must hold exactly what the config holds."""
-    from nb_helpers.widgets import TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import TRAIN_FIELDS, config_widgets
 
     for lr in (2e-4, 4e-4, 7e-4):  # 7e-4 is not among the offered values: it is added, not rounded
         cfg = RunConfig(learning_rate=lr)

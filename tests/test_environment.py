@@ -3,7 +3,9 @@ import re
 import pytest
 
 from nb_helpers import environment
-from nb_helpers.environment import bnb_roundtrip, check_environment, compute_dtype_for
+from nb_helpers.environment import bnb_roundtrip, check_environment
+from nb_helpers.plan import dtypes
+from nb_helpers.plan.dtypes import compute_dtype_for
 
 
 @pytest.mark.parametrize("capability, dtype", [
@@ -39,7 +41,8 @@ def test_isa_limits_make_this_cpu_choose_fp32():
     import subprocess
     import sys
 
-    code = ("from nb_helpers.environment import check_environment, cpu_report; r = check_environment(check_hub=False);"
+    code = ("from nb_helpers.environment import check_environment; from nb_helpers.plan.dtypes import cpu_report;"
+            "r = check_environment(check_hub=False);"
             "print(cpu_report()['capability'], r.facts['compute_dtype']);"
             "print([c.detail for c in r.checks if c.name == 'compute dtype'][0])")
     env = {**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
@@ -56,8 +59,8 @@ def test_turing_gets_fp16_even_when_torch_claims_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert environment.resolve_compute_dtype("auto") == "float16"
-    assert environment.resolve_compute_dtype("bfloat16") == "bfloat16"  # an explicit choice wins
+    assert dtypes.resolve_compute_dtype("auto") == "float16"
+    assert dtypes.resolve_compute_dtype("bfloat16") == "bfloat16"  # an explicit choice wins
 
 
 def test_bitsandbytes_really_quantizes_on_cpu():

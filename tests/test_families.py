@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from nb_helpers.architecture import FAMILIES, Shape, UnsupportedModel, load_shape, resolve_targets
+from nb_helpers.plan.architecture import FAMILIES, Shape, UnsupportedModel, load_shape, resolve_targets
 from nb_helpers.config import PROJECT_ROOT, ConfigError
-from nb_helpers.planner import QKVO, PlanInput, plan
+from nb_helpers.plan.planner import QKVO, PlanInput, plan
 
 sys.path.insert(0, str(PROJECT_ROOT / "tests"))
 from families import TINY, build, tiny_config  # noqa: E402
 
-SHAPES = sorted((PROJECT_ROOT / "bench" / "shapes").glob("*.json"))
+SHAPES = sorted((PROJECT_ROOT / "nb_helpers" / "plan" / "shapes").glob("*.json"))
 
 
 def real_counts(model) -> dict:
@@ -38,7 +38,7 @@ def test_tiny_parameter_counts_equal_the_built_model(family, tied):
 
 @pytest.mark.parametrize("path", SHAPES, ids=[p.stem for p in SHAPES])
 def test_real_sized_parameter_counts_equal_the_built_model(path):
-    """The public models' config.json values (bench/shapes/), built on the meta device: no memory, no hub."""
+    """The public models' config.json values (nb_helpers/plan/shapes/), built on the meta device: no memory, no hub."""
     shape = load_shape(str(path))
     assert shape.total_params == real_counts(build(json.loads(path.read_text())))["total"]
 
@@ -52,7 +52,7 @@ def test_family_features_are_read_from_config_json():
     assert gemma.tied and gemma.scaled_embeddings  # Gemma 3 ties its head by default: config.json may not say
     phi = Shape.from_config(tiny_config("phi3"))
     assert phi.all_linear() == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") and phi.rotary_dim == 8
-    real = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "gemma3-1b.json"))
+    real = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "gemma3-1b.json"))
     assert (real.sliding_layers, real.layers, real.vocab) == (22, 26, 262144)
 
 
@@ -86,9 +86,9 @@ def test_planner_runs_and_targets_are_the_models_linear_layers(family):
 
 
 def test_sliding_window_layers_pay_for_a_mask_only_past_the_window():
-    gemma = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "gemma3-1b.json"))
+    gemma = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "gemma3-1b.json"))
     base = dict(batch=1, gradient_checkpointing=False, context_gib=0.6, gpu_capability=(9, 0))
-    from nb_helpers.planner import layer_activation_bytes_per_token, sliding_layers_masked
+    from nb_helpers.plan.activations import layer_activation_bytes_per_token, sliding_layers_masked
 
     assert sliding_layers_masked(gemma, PlanInput(seq=512, **base)) == 0
     assert sliding_layers_masked(gemma, PlanInput(seq=2048, **base)) == 22
@@ -100,7 +100,7 @@ def test_sliding_window_layers_pay_for_a_mask_only_past_the_window():
 
 
 def test_qk_norms_and_fused_qkv_are_counted():
-    from nb_helpers.planner import layer_activation_bytes_per_token
+    from nb_helpers.plan.activations import layer_activation_bytes_per_token
 
     inp = PlanInput(seq=64, fused_kernels=False)
     llama = Shape.from_config(tiny_config("llama", head_dim=16))
@@ -119,7 +119,7 @@ def test_fused_kernels_only_where_the_gpu_path_has_them():
     inp = PlanInput(seq=256)
     qwen3 = Shape.from_config(tiny_config("qwen3"))
     llama = Shape.from_config(tiny_config("llama"))
-    from nb_helpers.planner import layer_activation_bytes_per_token as per_token
+    from nb_helpers.plan.activations import layer_activation_bytes_per_token as per_token
 
     assert per_token(llama, inp, False) < per_token(llama, PlanInput(seq=256, fused_kernels=False), False)
     assert per_token(qwen3, inp, False) == per_token(qwen3, PlanInput(seq=256, fused_kernels=False), False)
@@ -147,10 +147,10 @@ def test_softcapping_is_named_when_not_modelled():
 
 
 def test_plan_cli_plans_each_family_from_config_json(cli):
-    result = cli("plan", "--model", PROJECT_ROOT / "bench" / "shapes" / "phi-4-mini.json", "--seq", "512",
+    result = cli("plan", "--model", PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "phi-4-mini.json", "--seq", "512",
                  "--context-gib", "0.3")
     assert "fused qkv_proj and gate_up_proj" in result.stdout and "r=8 on qkv_proj,o_proj" in result.stdout
-    result = cli("plan", "--model", PROJECT_ROOT / "bench" / "shapes" / "qwen3-1.7b.json", "--json",
+    result = cli("plan", "--model", PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "qwen3-1.7b.json", "--json",
                  "--targets", "q_proj,v_proj")
     data = json.loads(result.stdout)
     assert data["shape"]["qk_norm"] and data["inputs"]["targets"] == ["q_proj", "v_proj"]
@@ -159,9 +159,9 @@ def test_plan_cli_plans_each_family_from_config_json(cli):
 def test_plan_cli_goes_through_the_run_config(cli, tmp_path):
     """`plan --config run.json` predicts what `train --config run.json` would run; flags override, --set too."""
     from nb_helpers.config import RunConfig
-    from nb_helpers.planner import plan_for_config
+    from nb_helpers.plan.planner import plan_for_config
 
-    model = PROJECT_ROOT / "bench" / "shapes" / "qwen3-0.6b.json"
+    model = PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "qwen3-0.6b.json"
     cfg = RunConfig(model=str(model), max_length=1024, micro_batch_size=2, grad_accum=4, lora_r=16,
                     target_modules=["all-linear"], budget_gib=6.0)
     cfg.save(tmp_path / "run.json")
@@ -233,14 +233,14 @@ def test_lora_config_and_check_targets_use_the_models_names(family_dir):
 
 
 def test_families_known_to_the_planner_are_listed():
-    from nb_helpers.architecture import known_families
+    from nb_helpers.plan.architecture import known_families
 
     assert set(TINY) <= set(FAMILIES) and "Phi-4-mini" in known_families()["phi3"]
 
 
 def test_a_widget_can_plan_each_known_shape():
     from nb_helpers.config import RunConfig
-    from nb_helpers.planner import known_shapes, plan_for_family
+    from nb_helpers.plan.catalog import known_shapes, plan_for_family
 
     shapes = known_shapes()
     assert {"qwen3-1.7b", "gemma3-1b", "phi-4-mini", "llama-3.2-1b", "tinyllama-1.1b"} <= set(shapes)
@@ -254,7 +254,7 @@ def test_a_widget_can_plan_each_known_shape():
 
 
 def test_budget_check_skips_a_family_it_cannot_count(monkeypatch, capsys):
-    from nb_helpers import preflight
+    from nb_helpers.plan import preflight
     from nb_helpers.config import RunConfig
     from nb_helpers.models import ModelChoice
 

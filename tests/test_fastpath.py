@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from nb_helpers import fastpath
-from nb_helpers.fastpath import FastOptions
+from nb_helpers import fast as fastpath
+from nb_helpers import frontend
+from nb_helpers.fast import checkpoints
+from nb_helpers.fast.mask import decoder_of, guard_collator
+from nb_helpers.fast.options import FastOptions
 
 
 def test_levers_from_the_environment(monkeypatch):
@@ -30,28 +33,19 @@ def test_cpu_defaults_keep_the_cpu_path(monkeypatch):
 
 def _tiny(tiny_cfg, fast):
     from nb_helpers.models import ModelChoice, load_4bit
-    from nb_helpers.training import attach_lora
+    from nb_helpers.lora import attach_lora
 
     return attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg, fast=fast)
 
 
 def test_kernels_fall_back_cleanly_and_say_so_once(tiny_cfg, capsys, monkeypatch):
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
     out = capsys.readouterr().out
     assert out.count("[fast] fused kernels off: no CUDA GPU; using the stock PyTorch layers") == 1
     assert type(model.get_base_model().model.layers[0].mlp).__name__ == "LlamaMLP"
 
-
-def test_compile_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
-    monkeypatch.setattr(fastpath, "_SAID", set())
-    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, compile=True))
-    _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, compile=True))
-    out = capsys.readouterr().out
-    assert out.count("decoder layers not compiled: no CUDA GPU") == 1
-    layers = fastpath._decoder(model).layers
-    assert all(getattr(layer, "_compiled_call_impl", None) is None for layer in layers)
 
 
 def test_lean_prepare_keeps_16_bit_weights_and_freezes_the_base(tiny_cfg):
@@ -78,7 +72,7 @@ def test_dropping_the_mask_of_right_padded_batches_changes_no_loss(tiny_cfg):
     mask[1, 17:] = 0
     mask[2, 5:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    decoder = fastpath._decoder(model)
+    decoder = decoder_of(model)
     assert decoder._nb_mask_drop
     dropped = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     decoder._nb_mask_drop = False
@@ -89,21 +83,21 @@ def test_dropping_the_mask_of_right_padded_batches_changes_no_loss(tiny_cfg):
 def test_a_left_padded_training_batch_switches_the_mask_drop_off(tiny_cfg, capsys, monkeypatch):
     import torch
 
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=False, kernels=False, nomask=True))
     right = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])}
     left = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])}
     batches = iter([right, left])
-    collate = fastpath.guard_collator(lambda examples: next(batches), model)
+    collate = guard_collator(lambda examples: next(batches), model)
     collate([])
-    assert fastpath._decoder(model)._nb_mask_drop
+    assert decoder_of(model)._nb_mask_drop
     collate([])
-    assert not fastpath._decoder(model)._nb_mask_drop
+    assert not decoder_of(model)._nb_mask_drop
     assert "not right-padded: attention masks are kept" in capsys.readouterr().out
 
 
 def test_planner_follows_the_levers(tiny_cfg, monkeypatch):
-    from nb_helpers.planner import load_shape, plan_for_config
+    from nb_helpers.plan.planner import load_shape, plan_for_config
 
     shape = load_shape(tiny_cfg.model)
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
@@ -188,8 +182,8 @@ def test_the_budget_cap_holds_with_expandable_segments():
     allocator grows expandable segments."""
     import torch
 
-    from nb_helpers.fastpath import use_expandable_segments
-    from nb_helpers.memory import enforce_budget
+    from nb_helpers.fast.compat import use_expandable_segments
+    from nb_helpers.plan.budget import enforce_budget
 
     assert use_expandable_segments()
     try:
@@ -204,22 +198,22 @@ def test_the_budget_cap_holds_with_expandable_segments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reentrant,overlap", [(False, False), (False, True), (True, True)])
-def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg, reentrant, overlap):
-    """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back (on the compute stream,
-    or overlapped on a side stream): the same dropout masks and inputs give bitwise the same LoRA gradients, and the
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(tiny_cfg, reentrant):
+    """The offloaded checkpoint only moves each layer's saved input to pinned CPU RAM and back (overlapped on a side
+    stream): the same dropout masks and inputs give bitwise the same LoRA gradients, and the
     device holds (layers - 1) x tokens x hidden x 2 bytes less between the forward and the backward."""
     import functools
 
     import torch
 
-    from nb_helpers.fastpath import offloaded_checkpoint
+    from nb_helpers.fast.offload import offloaded_checkpoint
 
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.enable_input_require_grads()
     model.train()
-    layers = fastpath._decoder(model).layers
+    layers = decoder_of(model).layers
     hidden = model.get_base_model().config.hidden_size
     ids = torch.randint(0, 1000, (4, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
@@ -237,13 +231,12 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
 
     plain, plain_held = grads_and_held_bytes()
     for layer in layers:
-        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, overlap=overlap,
-                                                               use_reentrant=reentrant)
+        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, use_reentrant=reentrant)
     offloaded, offloaded_held = grads_and_held_bytes()
     assert len(plain) > 0 and all(torch.equal(a, b) for a, b in zip(plain, offloaded))
-    # every layer's input but the first, which is the embedding output: a leaf that autograd keeps anyway; with
-    # overlap the last one stays until its copy is waited for (the six-block test below checks that case)
-    checkpoints = (len(layers) - 1 - int(overlap)) * ids.numel() * hidden * 2
+    # every layer's input but the first, which is the embedding output: a leaf that autograd keeps anyway; the last
+    # one stays until its copy is waited for (the six-block test below checks that case)
+    checkpoints = (len(layers) - 2) * ids.numel() * hidden * 2
     assert plain_held - offloaded_held >= 0.9 * checkpoints, (plain_held, offloaded_held, checkpoints)
 
 
@@ -257,7 +250,7 @@ def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batche
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from nb_helpers.fastpath import offloaded_checkpoint
+    from nb_helpers.fast.offload import offloaded_checkpoint
 
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
@@ -293,7 +286,7 @@ def test_offload_runs_through_train_and_says_so(tiny_cfg, capsys, monkeypatch):
     from nb_helpers.training import train
 
     monkeypatch.setenv(fastpath.ENV_VAR, "offload=1")
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     run_dir = train(tiny_cfg.replace(max_steps=3, task_eval_samples=0, eval_file=None, gradient_checkpointing=True),
                     verbose=True)
     assert "activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)" in capsys.readouterr().out
@@ -302,7 +295,7 @@ def test_offload_runs_through_train_and_says_so(tiny_cfg, capsys, monkeypatch):
 
 
 def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
     assert capsys.readouterr().out.count("checkpoint offload off: no CUDA GPU") == 1
@@ -312,7 +305,7 @@ def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, cap
 def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
     import bitsandbytes as bnb
 
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, fused_lora=True))
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, fused_lora=True))
     assert capsys.readouterr().out.count("fused QLoRA layers off: no CUDA GPU") == 1
@@ -321,12 +314,10 @@ def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, 
 
 def test_checkpoint_kwargs_follow_the_levers(monkeypatch):
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
-    assert fastpath.checkpoint_kwargs() == {"use_reentrant": False}  # no GPU here: the CPU path is unchanged
+    assert checkpoints.checkpoint_kwargs() == {"use_reentrant": False}  # no GPU here: the CPU path is unchanged
     assert fastpath.gpu_options().reentrant  # a GPU run uses reentrant checkpoints
     monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1")
-    assert fastpath.checkpoint_kwargs() == {"use_reentrant": True}
-    monkeypatch.setenv(fastpath.ENV_VAR, "reentrant=1,selective_gc=1")  # TRL's selective GC: non-reentrant only
-    assert fastpath.checkpoint_kwargs() == {"use_reentrant": False, "selective": True}
+    assert checkpoints.checkpoint_kwargs() == {"use_reentrant": True}
 
 
 def test_reentrant_checkpoints_give_the_gradients_of_the_plain_ones(tiny_cfg):
@@ -361,7 +352,7 @@ def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg):
     trial's backward reaches the adapters as training's does."""
     import torch
 
-    from nb_helpers.training import trial_step
+    from nb_helpers.plan.autofit import trial_step
 
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, reentrant=True))  # kept on the model
     seen = []
@@ -373,14 +364,13 @@ def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg):
 
 
 def test_batches_are_padded_to_64_tokens_where_graphs_run_or_the_pad_lengths_lever_asks(monkeypatch):
-    """training.pad_multiple: CUDA graphs need few shapes; with pad_lengths, eager layers get the same length step
+    """fast.checkpoints.pad_multiple: CUDA graphs need few shapes; with pad_lengths, eager layers get the same length step
     (cuDNN's attention plans every new length). Without CUDA, neither pads."""
     from types import SimpleNamespace
 
     import torch
 
-    from nb_helpers.fastpath import FastOptions
-    from nb_helpers.training import pad_multiple
+    from nb_helpers.fast.checkpoints import pad_multiple
 
     def model(graphs, pad_lengths, use_graphs=True):
         return SimpleNamespace(_nb_fast=FastOptions(graphs=graphs, reentrant=True, pad_lengths=pad_lengths),
@@ -396,3 +386,79 @@ def test_batches_are_padded_to_64_tokens_where_graphs_run_or_the_pad_lengths_lev
     assert pad_multiple(model(True, False, use_graphs=False)) is None  # auto-fit chose eager layers
     assert pad_multiple(model(True, True, use_graphs=False)) == 64  # eager, with the lever
     assert pad_multiple(model(False, False)) is None
+
+
+# --- the one switch and the record ----------------------------------------------------------------------------
+def test_fast_path_false_turns_every_lever_off_on_a_gpu(monkeypatch):
+    import torch
+
+    from nb_helpers.config import RunConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(fastpath.ENV_VAR, "graphs=1")  # NB_FASTPATH is for benchmarks of the fast path only
+    plain = FastOptions.for_run(RunConfig(fast_path=False))
+    assert not any(plain.speed_levers().values()) and plain.lean  # the recipe as written: freeze, no upcast
+    assert all(FastOptions.for_run(RunConfig()).speed_levers()[k] for k in ("kernels", "nomask", "graphs"))
+    assert not any(v for k, v in fastpath.gpu_options(False).speed_levers().items())  # what the planner plans
+
+
+def test_a_failed_compat_check_turns_its_lever_off_with_one_line(monkeypatch, capsys):
+    import torch
+
+    from nb_helpers.config import RunConfig
+    from nb_helpers.fast import compat
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(frontend, "_SAID", set())
+    monkeypatch.setattr(compat, "failed", lambda levers: {"graphs": "torch.cuda.CUDAGraph.capture_begin: gone"})
+    fast = fastpath.options_for(RunConfig())
+    fastpath.options_for(RunConfig())
+    assert not fast.graphs and fast.kernels
+    out = capsys.readouterr().out
+    assert out.count("[fast] graphs off: torch.cuda.CUDAGraph.capture_begin changed in torch") == 1, out
+
+
+def test_the_run_records_its_levers_and_the_config_file_still_loads(tiny_cfg, tmp_path):
+    from nb_helpers.config import RunConfig
+
+    path = tmp_path / "config.json"
+    tiny_cfg.save(path, record={"fast_levers": {"graphs": True}, "not_a_record": 1})
+    data = json.loads(path.read_text())
+    assert data["fast_levers"] == {"graphs": True} and "not_a_record" not in data
+    assert RunConfig.load(path) == tiny_cfg
+    with pytest.raises(Exception, match="fast_path"):
+        tiny_cfg.replace(fast_path="no")
+
+
+def test_levers_line_says_what_runs(tiny_cfg, monkeypatch):
+    import torch
+
+    model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False))
+    assert "not used on the CPU" in fastpath.levers_line(model, tiny_cfg)
+    assert fastpath.levers_ran(model, tiny_cfg) == {}  # summary.json: {} on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "fast_path=False" in fastpath.levers_line(model, tiny_cfg.replace(fast_path=False))
+    ran = fastpath.levers_ran(model, tiny_cfg, expandable=False)
+    assert ran["kernels"] is False and ran["expandable"] is False and set(ran) == set(FastOptions().speed_levers())
+    line = fastpath.levers_line(model, tiny_cfg, ran)
+    assert line.startswith("[fast] levers on:") and "kernels" in line.split("off:")[1]
+
+
+@pytest.mark.gpu
+def test_fast_path_off_trains_the_plain_recipe(tiny_cfg, tmp_path):
+    """RunConfig(fast_path=False) is the plain stack: the same losses as the recipe written with transformers + peft
+    + TRL alone, step for step, and no lever recorded as run."""
+    from nb_helpers.data import normalize_row
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    rows_file = tmp_path / "rows.jsonl"
+    lines = (tiny_cfg.resolve_path("data/train.jsonl")).read_text(encoding="utf-8").splitlines()[:80]
+    rows_file.write_text("".join(json.dumps(normalize_row(json.loads(line))) + "\n" for line in lines))
+    run = train(tiny_cfg.replace(train_file=str(rows_file), max_train_samples=None, micro_batch_size=1, grad_accum=8,
+                                 max_steps=8, task_eval_samples=0, eval_file=None, compute_dtype="bfloat16",
+                                 fast_path=False, gradient_checkpointing=True), verbose=False)
+    ours = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    plain = _plain_recipe_losses(tiny_cfg.model, rows_file, 8, tmp_path)
+    assert max(abs(a - b) / b for a, b in zip(ours, plain)) < 0.02, list(zip(ours, plain))  # LoRA's A is drawn from each run's RNG state
+    assert not any(json.loads((run / "summary.json").read_text())["fast_levers"].values())

@@ -4,13 +4,13 @@
 import pytest
 import torch
 
-from nb_helpers import fused_lora
+from nb_helpers.fast import fused_lora
 
 
 def _model(tiny_cfg, patched: bool, dtype: str = "float32"):
-    from nb_helpers.fastpath import FastOptions
+    from nb_helpers.fast.options import FastOptions
     from nb_helpers.models import ModelChoice, load_4bit
-    from nb_helpers.training import attach_lora
+    from nb_helpers.lora import attach_lora
 
     cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1)
     torch.manual_seed(0)  # the same random A in both models
@@ -98,11 +98,11 @@ def test_fused_layers_match_on_the_gpu_in_bf16(tiny_cfg):
 def test_direct_dequantize_falls_back_without_cuda_kernels_and_says_so_once(capsys, monkeypatch):
     """This CPU build of bitsandbytes has no CUDA backend: the probe finds no kernels, says so once, and the public
     dequantize_4bit runs."""
-    from nb_helpers import fastpath
+    from nb_helpers import frontend
 
-    monkeypatch.setattr(fastpath, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     monkeypatch.setattr(fused_lora, "_KERNELS", [])
-    assert not fastpath.direct_dequant_available() and not fastpath.direct_dequant_available()
+    assert not fused_lora.direct_dequant_available() and not fused_lora.direct_dequant_available()
     assert fused_lora._direct_kernels() is None and fused_lora.direct_kernels_unavailable_reason()
     assert capsys.readouterr().out.count("dequantize kernels are not reachable directly") == 1
 

@@ -1,15 +1,18 @@
-"""CUDA-graphed checkpoints (nb_helpers.graphed_layers): the eager half runs anywhere and must give torch's reentrant
+"""CUDA-graphed checkpoints (nb_helpers.fast.graphed_layers): the eager half runs anywhere and must give torch's reentrant
 checkpoint's gradients; the graphs themselves (GPU, marked) must give the eager gradients and losses."""
 
 import pytest
 
-from nb_helpers import fastpath
-from nb_helpers.fastpath import FastOptions
+from nb_helpers import fast as fastpath
+from nb_helpers import frontend
+from nb_helpers.fast.checkpoints import graphed_function
+from nb_helpers.fast.mask import decoder_of
+from nb_helpers.fast.options import FastOptions
 
 
 def _tiny(tiny_cfg, fast):
     from nb_helpers.models import ModelChoice, load_4bit
-    from nb_helpers.training import attach_lora
+    from nb_helpers.lora import attach_lora
 
     return attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg, fast=fast)
 
@@ -21,7 +24,7 @@ def _grads(model, ids, use_function=None):
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     if use_function is not None:
-        for layer in fastpath._decoder(model).layers:
+        for layer in decoder_of(model).layers:
             layer._gradient_checkpointing_func = use_function(layer)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
@@ -35,24 +38,24 @@ def test_graphed_checkpoint_without_graphs_gives_torchs_reentrant_gradients(tiny
     autograd, the recompute with the forward's dropout masks), and its LoRA gradients equal torch's."""
     import torch
 
-    from nb_helpers.graphed_layers import graph_count
+    from nb_helpers.fast.graphed_layers import graph_count
 
     model = _tiny(tiny_cfg.replace(lora_dropout=0.1), FastOptions(lean=True, kernels=False, nomask=False))
     model.enable_input_require_grads()
     model.train()
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     loss, torch_grads = _grads(model, ids)
-    graphed_loss, graphed_grads = _grads(model, ids, fastpath._graphed_function)
+    graphed_loss, graphed_grads = _grads(model, ids, lambda layer: graphed_function(layer, False))
     assert graph_count() == 0  # no GPU: nothing captured
     assert torch.equal(loss, graphed_loss) and len(torch_grads) == len(graphed_grads) > 0
     assert any(g.abs().sum() > 0 for g in torch_grads)
     for a, b in zip(torch_grads, graphed_grads):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     # the dropout draws: rewinding a generator that dropout does not use gives the recompute other masks
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
     monkeypatch.setattr(graphed_layers, "_generator", lambda tensors: torch.Generator())
-    _, unrewound = _grads(model, ids, fastpath._graphed_function)
+    _, unrewound = _grads(model, ids, lambda layer: graphed_function(layer, False))
     assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(torch_grads, unrewound))
 
 
@@ -60,7 +63,7 @@ def test_graphs_follow_the_levers(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
     assert fastpath.graphs_on()  # the GPU default
-    for levers in ("graphs=0", "reentrant=0", "selective_gc=1"):
+    for levers in ("graphs=0", "reentrant=0"):
         monkeypatch.setenv(fastpath.ENV_VAR, levers)
         assert not fastpath.graphs_on(), levers
 
@@ -68,9 +71,9 @@ def test_graphs_follow_the_levers(monkeypatch):
 def test_a_layer_called_with_an_object_runs_eagerly_and_says_so(capsys, monkeypatch):
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
-    monkeypatch.setattr(graphed_layers, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
     layer = torch.nn.Linear(4, 4)
     graphs = graphed_layers.LayerGraphs(layer)
 
@@ -95,7 +98,7 @@ def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dt
 
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
     held = []
     for _ in range(2):
@@ -111,7 +114,7 @@ def test_graphed_layers_give_the_eager_gradients_over_several_steps(tiny_cfg, dt
 def _graphed_matches_eager(tiny_cfg, dtype, offload):
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
     model = _tiny(tiny_cfg.replace(lora_dropout=0.1, compute_dtype=dtype),
                   FastOptions(lean=True, kernels=True, nomask=True))
@@ -121,12 +124,11 @@ def _graphed_matches_eager(tiny_cfg, dtype, offload):
         ids = torch.randint(0, 1000, (4, length), device="cuda", generator=torch.Generator("cuda").manual_seed(length))
         with torch.autocast("cuda", dtype=getattr(torch, dtype)):
             loss, eager = _grads(model, ids)
-            graphed_loss, graphed = _grads(model, ids, lambda layer: fastpath._graphed_function(
-                layer, offload_overlap=True if offload else None))
+            graphed_loss, graphed = _grads(model, ids, lambda layer: graphed_function(layer, offload))
         assert torch.allclose(loss, graphed_loss, rtol=1e-3), (loss, graphed_loss)
         for a, b in zip(eager, graphed):
             assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3 * a.abs().max().item())
-    layers = len(fastpath._decoder(model).layers)
+    layers = len(decoder_of(model).layers)
     assert graphed_layers.graph_count() == 2 * 2 * layers  # forward and backward, two shapes
     graphed_layers.reset()
     assert graphed_layers.graph_count() == 0
@@ -141,7 +143,7 @@ def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
 
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
     handles = itertools.count()
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (next(handles), 0))
@@ -165,7 +167,7 @@ def test_one_capture_stream_for_the_process_across_resets(monkeypatch):
     that stays for the process (32 MiB on Hopper); one per reset filled a 0.25 GiB test budget in device call 14."""
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
@@ -183,9 +185,9 @@ def test_a_capture_out_of_memory_fails_the_trial_step_but_not_a_run(capsys, monk
     the layer falls back to eager and says so."""
     import torch
 
-    from nb_helpers import graphed_layers
+    from nb_helpers.fast import graphed_layers
 
-    monkeypatch.setattr(graphed_layers, "_SAID", set())
+    monkeypatch.setattr(frontend, "_SAID", set())
 
     class Plan:
         graphs = graphed_layers.LayerGraphs(torch.nn.Linear(2, 2))

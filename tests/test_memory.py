@@ -4,7 +4,7 @@ import pytest
 def test_budget_needs_a_gpu(monkeypatch):
     import torch
 
-    from nb_helpers.memory import enforce_budget
+    from nb_helpers.plan.budget import enforce_budget
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
@@ -15,7 +15,7 @@ def test_budget_needs_a_gpu(monkeypatch):
 def test_budget_caps_the_allocator_context_included():
     import torch
 
-    from nb_helpers.memory import enforce_budget
+    from nb_helpers.plan.budget import enforce_budget
 
     budget = enforce_budget(4.0)
     assert 0.1 < budget.context_gib < 1.5  # measured, not assumed

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from nb_helpers.analysis import flag_problems, reference_table, to_markdown
+from nb_helpers.ui.analysis import flag_problems, reference_table, to_markdown
 from nb_helpers.metrics import median, read_metrics
 
 
@@ -48,7 +48,7 @@ def test_plots_are_shown_once_and_list_every_run():
     legend names runs that only have eval or memory points; steps get whole-number ticks."""
     import matplotlib.pyplot as plt
 
-    from nb_helpers.plots import plot_training
+    from nb_helpers.ui.plots import plot_training
 
     before = plt.get_fignums()
     runs = {"trained": [{"step": s, "loss": 1.0 / s, "step_s": 1.0} for s in (1, 2, 3)],
@@ -62,7 +62,7 @@ def test_plots_are_shown_once_and_list_every_run():
 
 def test_step_time_drift_is_flagged_and_steady_runs_are_not():
     """A run whose steps slowed from 350 s to 469 s (+34%) was called "steady"; now it is named."""
-    from nb_helpers.analysis import flag_problems
+    from nb_helpers.ui.analysis import flag_problems
 
     def run(times):
         return [{"step": i + 1, "loss": 1.0 - 0.01 * i, "step_s": t} for i, t in enumerate(times)]

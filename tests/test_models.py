@@ -60,7 +60,7 @@ def test_fallback_to_embedded_says_why(monkeypatch, capsys, embedded_dir):
 def test_cpu_eval_pass_does_not_break_training_gradients(tiny_model_dir):
     """Regression: bitsandbytes repacks 4-bit weights for CPU inference on the first eval-mode forward and
     then trains through a kernel without autograd, silently dropping gradients through the base layers."""
-    from nb_helpers.training import attach_lora
+    from nb_helpers.lora import attach_lora
 
     cfg = RunConfig(model=str(tiny_model_dir), lora_dropout=0.0, gradient_checkpointing=False)
     choice = ModelChoice(str(tiny_model_dir), "tiny", "test")
@@ -98,7 +98,7 @@ def test_embedded_model_is_a_real_chat_model(embedded_dir):
 
     tokenizer = load_tokenizer(str(embedded_dir))
     assert tokenizer.eos_token == "<|im_end|>"
-    from nb_helpers.environment import compute_dtype_for
+    from nb_helpers.plan.dtypes import compute_dtype_for
 
     # The CPU's own dtype: bf16 generation on an AVX2-only CPU is emulated and takes minutes instead of seconds.
     model = AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=getattr(torch, compute_dtype_for(None)))

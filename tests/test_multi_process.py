@@ -5,7 +5,6 @@ with the global batch kept; then a resume on two processes."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from nb_helpers import distributed
 from nb_helpers.config import ConfigError, RunConfig
+from nb_helpers.distributed import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_split_line_says_what_changed():
 
 
 def test_split_over_processes_raises_a_config_error(capsys):
-    from nb_helpers.training import split_over_processes
+    from nb_helpers.distributed import split_over_processes
 
     cfg = RunConfig(micro_batch_size=1, grad_accum=8)
     assert split_over_processes(cfg, 1) is cfg
@@ -74,7 +74,7 @@ def test_split_over_processes_raises_a_config_error(capsys):
 
 
 def test_resume_note_at_the_same_and_at_another_world_size(tmp_path):
-    from nb_helpers.training import checkpoint_world_size, resume_note
+    from nb_helpers.distributed import checkpoint_world_size, resume_note
 
     one, two = tmp_path / "checkpoint-2", tmp_path / "two" / "checkpoint-2"
     one.mkdir()
@@ -90,7 +90,8 @@ def test_resume_note_at_the_same_and_at_another_world_size(tmp_path):
 
 
 def test_ddp_settings_only_with_several_processes(tmp_path):
-    from nb_helpers.training import TrainingRun, bookkeeping_args
+    from nb_helpers.training import TrainingRun
+    from nb_helpers.trainer_setup import bookkeeping_args
 
     run = TrainingRun(RunConfig(), run_dir=tmp_path)
     assert bookkeeping_args(run)["ddp_find_unused_parameters"] is None
@@ -158,12 +159,6 @@ def test_metrics_of_other_ranks_are_kept_but_not_written(tmp_path):
 
 
 # --- a real launch: two processes on the CPU ----------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:  # other test runs on this machine may hold accelerate's default port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes 2 -m nb_helpers ...`: without a GPU the processes train on the

@@ -1,4 +1,4 @@
-"""nb_helpers.optimizer_step: bitsandbytes' AdamW kernels called directly give bitsandbytes' own updates, and its own
+"""nb_helpers.fast.optimizer_step: bitsandbytes' AdamW kernels called directly give bitsandbytes' own updates, and its own
 step runs wherever the direct call would not be exact."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from nb_helpers import optimizer_step  # noqa: E402
+from nb_helpers.fast import optimizer_step  # noqa: E402
 
 
 def adapters(device="cpu", dtype=torch.float32, seed=0):
@@ -108,14 +108,12 @@ def test_the_direct_step_gives_bitsandbytes_bits_on_the_gpu(dtype):
 
 
 def test_the_trainer_optimizer_gets_the_direct_step_when_made(monkeypatch):
-    """training.direct_optimizer_step: the optimizer the Trainer makes in train() goes through install()."""
+    """optimizer_step.install_on_trainer: the optimizer the Trainer makes in train() goes through install()."""
     from types import SimpleNamespace
-
-    from nb_helpers.training import direct_optimizer_step
 
     made, installed = paged_adamw(adapters()), []
     monkeypatch.setattr(optimizer_step, "install", installed.append)
     trainer = SimpleNamespace(create_optimizer=lambda: made)
-    direct_optimizer_step(trainer)
+    optimizer_step.install_on_trainer(trainer)
     assert installed == []  # nothing before the Trainer makes its optimizer
     assert trainer.create_optimizer() is made and installed == [made]

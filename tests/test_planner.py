@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from nb_helpers import planner
-from nb_helpers.planner import ALL_LINEAR, GIB, QKVO, PlanInput, Shape, auto_fit, candidates, plan
+from nb_helpers.plan import activations, choose, planner
+from nb_helpers.plan.choose import auto_fit, candidates
+from nb_helpers.plan.planner import ALL_LINEAR, GIB, QKVO, PlanInput, Shape, plan
 
 # A small Llama: h=64, i=128, 2 layers, 4 heads of 16, 2 KV heads, vocab 1000, untied.
 SMALL = Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=1000, tied=False)
@@ -21,7 +22,7 @@ def small_input(**changes):
 
 
 def lean_input(**changes):
-    """The GPU path (nb_helpers.fastpath): 16-bit embeddings, head, norms and residual stream; fused SwiGLU; no mask."""
+    """The GPU path (nb_helpers.fast): 16-bit embeddings, head, norms and residual stream; fused SwiGLU; no mask."""
     return small_input(**{"lean": True, "fused_kernels": True, "nomask": True, "expandable": True, **changes})
 
 
@@ -47,15 +48,15 @@ def test_static_components_match_hand_computed_bytes():
 
 def test_activation_components_match_hand_computed_bytes():
     inp = small_input()
-    per_token = planner.layer_activation_bytes_per_token(SMALL, inp, padded=False)
+    per_token = activations.layer_activation_bytes_per_token(SMALL, inp, padded=False)
     norms = 2 * (4 * 64 + 4)
     attention = 4 * 4 * 16 + 4 * 2 * 16 + 4 * 4  # q,out bf16 + k,v bf16 + lse
     mlp = 12 * 128
     lora = 3 * 64 * 4 + 4 * 2 * 4  # dropout output (2) + mask (1) per input feature, + 2r for lora_A's output
     assert per_token == norms + attention + mlp + lora
-    padded = planner.layer_activation_bytes_per_token(SMALL, inp, padded=True)
+    padded = activations.layer_activation_bytes_per_token(SMALL, inp, padded=True)
     assert padded - per_token == (8 * 64 - 4 * 64 - 4 * 32) + 2 * 32  # k, v repeated to all heads + mask bias
-    no_dropout = planner.layer_activation_bytes_per_token(SMALL, small_input(lora_dropout=0.0), padded=False)
+    no_dropout = activations.layer_activation_bytes_per_token(SMALL, small_input(lora_dropout=0.0), padded=False)
     assert per_token - no_dropout == 4 * 64  # one bool mask per target input feature
 
     c = plan(SMALL, inp).components
@@ -76,7 +77,7 @@ def test_lean_path_components_match_hand_computed_bytes():
     dynamic = sum(c[k] for k in ("activations_kept", "layer_recompute", "logits_loss", "backward_transient"))
     fixed = plan(SMALL, lean_input(expandable=False)).components["allocator"]
     assert fixed == pytest.approx(planner.ALLOCATOR_OVERHEAD_GC_LEAN * dynamic)
-    per_token = planner.layer_activation_bytes_per_token(SMALL, lean_input(), padded=True)
+    per_token = activations.layer_activation_bytes_per_token(SMALL, lean_input(), padded=True)
     norms = 2 * (2 * 64 + 4)  # bf16 input + fp32 rstd, twice
     attention = 4 * 4 * 16 + 4 * 2 * 16 + 4 * 4  # padded, but without a mask: flash, k and v not repeated
     mlp = 2 * 2 * 128  # liger's SwiGLU keeps gate and up (bf16) only
@@ -86,13 +87,13 @@ def test_lean_path_components_match_hand_computed_bytes():
     assert c["activations_kept"] == 2 * 2 * 64 * T + 2 * T * 16 * 4 + 2 * 64 * T  # bf16 checkpoints
     assert c["layer_recompute"] == per_token * T
     N = 31
-    tile = min(N, planner.LOGPROB_TOKEN_TILE) * 1000 * 2  # logits tile in bf16; the bf16 head is not copied
+    tile = min(N, activations.LOGPROB_TOKEN_TILE) * 1000 * 2  # logits tile in bf16; the bf16 head is not copied
     loss_phase = plan(SMALL, lean_input(seq=4096, batch=1, rank=1, targets=("q_proj",)))
     assert loss_phase.peak_gib > 0 and tile == 62000
-    stock = planner.layer_activation_bytes_per_token(SMALL, lean_input(fused_kernels=False), padded=False)
+    stock = activations.layer_activation_bytes_per_token(SMALL, lean_input(fused_kernels=False), padded=False)
     # SiLU's output, kept by the stock MLP; the stock RMSNorm keeps an fp32 copy of its bf16 input (liger: bf16)
     assert stock - per_token == 2 * 128 + 2 * (4 - 2) * 64
-    masked = planner.layer_activation_bytes_per_token(SMALL, lean_input(nomask=False), padded=True)
+    masked = activations.layer_activation_bytes_per_token(SMALL, lean_input(nomask=False), padded=True)
     assert masked - per_token == (8 * 64 - 4 * 64 - 4 * 32) + 2 * 32
 
 
@@ -136,7 +137,7 @@ def test_shape_reads_config_json(tmp_path):
     shape = planner.load_shape(str(tmp_path))
     assert shape.linear_params == TINYLLAMA.linear_params and shape.head_dim == 64 and not shape.tied
     # the 4-bit part agrees with the older preflight estimate
-    from nb_helpers.preflight import four_bit_weight_bytes
+    from nb_helpers.plan.preflight import four_bit_weight_bytes
     from transformers import LlamaConfig
 
     c = plan(shape, PlanInput()).components
@@ -193,7 +194,7 @@ def test_plan_cli_bad_input_is_one_clear_line(capsys, tmp_path):
 def test_candidates_keep_the_effective_batch_and_prefer_fewer_micro_steps():
     options = candidates(TINYLLAMA, PlanInput(seq=512), effective_batch=8, budget_gib=4.0)
     assert options and all(o.batch * o.accum == 8 for o in options)
-    assert all(o.predicted_gib <= 4.0 * (1 - planner.FIT_MARGIN) for o in options)
+    assert all(o.predicted_gib <= 4.0 * (1 - choose.FIT_MARGIN) for o in options)
     costs = [o.relative_step_cost for o in options]
     assert costs == sorted(costs)
     assert options[0].accum <= options[-1].accum
@@ -216,7 +217,7 @@ def test_graphed_candidates_come_first_and_eager_ones_remain_for_tight_budgets()
                       for g in (True, False))
     assert graphed.components["graphs"] > 0 and eager.components["graphs"] == 0
     assert graphed.peak_gib > eager.peak_gib
-    tight = eager.peak_gib / (1 - planner.FIT_MARGIN) + 0.01  # 8 x 1 fits eagerly only
+    tight = eager.peak_gib / (1 - choose.FIT_MARGIN) + 0.01  # 8 x 1 fits eagerly only
     first = candidates(TINYLLAMA, base, effective_batch=8, budget_gib=tight)
     assert any((o.batch, o.graphs) == (8, False) for o in first)
     assert not any((o.batch, o.graphs, o.offload) == (8, True, False) for o in first)
@@ -262,7 +263,8 @@ def test_trial_step_runs_the_fused_loss_and_leaves_no_gradients(tiny_cfg):
     import torch
 
     from nb_helpers.models import ModelChoice, load_4bit
-    from nb_helpers.training import attach_lora, trial_step
+    from nb_helpers.lora import attach_lora
+    from nb_helpers.plan.autofit import trial_step
 
     model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
     for checkpointing in (True, False):
@@ -272,7 +274,7 @@ def test_trial_step_runs_the_fused_loss_and_leaves_no_gradients(tiny_cfg):
 
 
 def test_plan_for_config_follows_the_run_config(tiny_cfg):
-    from nb_helpers.planner import load_shape, plan_for_config
+    from nb_helpers.plan.planner import load_shape, plan_for_config
 
     shape = load_shape(tiny_cfg.model)
     a = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
@@ -359,9 +361,9 @@ def test_short_rows_let_auto_fit_drop_checkpointing():
     """The shipped rows are ~120 tokens: fitted at that length, 8 x 1 fits 4 GiB without GC; at max_length it
     does not, which is why train() fits for the longest row rather than max_length."""
     from nb_helpers.config import PROJECT_ROOT
-    from nb_helpers.planner import load_shape
+    from nb_helpers.plan.planner import load_shape
 
-    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     base = dict(batch=1, accum=8, rank=8, context_gib=0.6, gpu_capability=(9, 0))
     short = auto_fit(shape, PlanInput(seq=128, **base), 8, 4.0, log=lambda *_: None)
     full = auto_fit(shape, PlanInput(seq=512, **base), 8, 4.0, log=lambda *_: None)
@@ -401,9 +403,9 @@ def test_offloaded_checkpoints_leave_the_card_and_buy_a_bigger_micro_batch():
     bench/results/throughput.json) instead of 4 x 2; at 8 x 512, where 8 x 1 fits anyway, it keeps the checkpoints
     on the card (no copies)."""
     from nb_helpers.config import PROJECT_ROOT
-    from nb_helpers.planner import load_shape
+    from nb_helpers.plan.planner import load_shape
 
-    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     base = dict(batch=8, accum=1, rank=8, context_gib=0.6, gpu_capability=(9, 0), seq=2048)
     on_card = plan(shape, PlanInput(**base))
     offloaded = plan(shape, PlanInput(**base, offload=True))
@@ -425,16 +427,16 @@ def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys):
     from types import SimpleNamespace
 
     from nb_helpers.config import PROJECT_ROOT, RunConfig
-    from nb_helpers.planner import load_shape, plan_for_config
-    from nb_helpers.training import keep_graphs_within_budget
+    from nb_helpers.plan.planner import load_shape, plan_for_config
+    from nb_helpers.plan.autofit import keep_graphs_within_budget
 
-    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, cuda_graphs=True)
     graphed = plan_for_config(cfg, shape, context_gib=0.6)
     eager = plan_for_config(cfg.replace(cuda_graphs=False), shape, context_gib=0.6)
     assert graphed.peak_gib > eager.peak_gib
-    between = (graphed.peak_gib + eager.peak_gib) / 2 / (1 - planner.FIT_MARGIN)
-    for budget, keeps in ((between, False), (graphed.peak_gib / (1 - planner.FIT_MARGIN) + 0.01, True)):
+    between = (graphed.peak_gib + eager.peak_gib) / 2 / (1 - choose.FIT_MARGIN)
+    for budget, keeps in ((between, False), (graphed.peak_gib / (1 - choose.FIT_MARGIN) + 0.01, True)):
         run = SimpleNamespace(cfg=cfg.replace(budget_gib=budget), shape=shape, summary={"cuda_context_gib": 0.6},
                               prediction=plan_for_config(cfg.replace(budget_gib=budget), shape, context_gib=0.6))
         keep_graphs_within_budget(run)
@@ -450,10 +452,11 @@ def test_hand_set_runs_stay_lean_unless_graphs_are_asked_for(capsys):
     from types import SimpleNamespace
 
     from nb_helpers.config import PROJECT_ROOT, RunConfig
-    from nb_helpers.planner import auto_fit, load_shape, plan_for_config
-    from nb_helpers.training import keep_graphs_within_budget
+    from nb_helpers.plan.choose import auto_fit
+    from nb_helpers.plan.planner import load_shape, plan_for_config
+    from nb_helpers.plan.autofit import keep_graphs_within_budget
 
-    shape = load_shape(str(PROJECT_ROOT / "bench" / "shapes" / "tinyllama-1.1b.json"))
+    shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, budget_gib=4.0)
     lean = plan_for_config(cfg, shape, context_gib=0.6)
     graphed = plan_for_config(cfg.replace(cuda_graphs=True), shape, context_gib=0.6)

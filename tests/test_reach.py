@@ -1,11 +1,13 @@
-"""Which model fits, and how long a row (nb_helpers.reach), and notebook 02's model choice (family_plan_widget)."""
+"""Which model fits, and how long a row (nb_helpers.plan.reach), and notebook 02's model choice (family_plan_widget)."""
 from dataclasses import replace
 
 import pytest
 
 from nb_helpers.config import RunConfig
-from nb_helpers.planner import graphs_dropped_unless_they_fit, known_shapes, plan, plan_for_family
-from nb_helpers.reach import ROW_STEP, fit_markdown, fit_table, longest_row
+from nb_helpers.plan.catalog import known_shapes, plan_for_family
+from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
+from nb_helpers.plan.planner import plan
+from nb_helpers.plan.reach import ROW_STEP, fit_markdown, fit_table, longest_row
 
 # the GPU recipe (1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o) with CUDA graphs asked for: the rows
 # then show where graphs fit and where a run drops them (left unset, a hand-set run plans eager layers throughout)
@@ -57,7 +59,7 @@ def test_lora_targets_are_translated_per_family(table):
 
 
 def test_model_choice_replans_with_the_same_knobs():
-    from nb_helpers.widgets import family_plan_widget
+    from nb_helpers.ui.widgets import family_plan_widget
 
     cfg = RECIPE.replace(lora_r=16, lora_alpha=32)
     box, choice, view = family_plan_widget(cfg, start="qwen3-1.7b", budget_gib=4.0)

@@ -109,7 +109,8 @@ def test_adapter_weights_match_the_precision_mode(tiny_cfg, tmp_path, dtype, ada
     import torch
 
     from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer
-    from nb_helpers.training import TrainingRun, attach_lora, build_trainer
+    from nb_helpers.training import TrainingRun, build_trainer
+    from nb_helpers.lora import attach_lora
 
     cfg = tiny_cfg.replace(compute_dtype=dtype)
     choice = ModelChoice(cfg.model, "tiny", "test")
@@ -153,8 +154,9 @@ def test_notebook_sft_config_matches_the_package(tmp_path, changes, rows):
     from trl import SFTConfig
 
     from nb_helpers.config import RunConfig
-    from nb_helpers.dtypes import resolve_compute_dtype
-    from nb_helpers.training import TrainingRun, bookkeeping_args, sft_config
+    from nb_helpers.plan.dtypes import resolve_compute_dtype
+    from nb_helpers.training import TrainingRun
+    from nb_helpers.trainer_setup import bookkeeping_args, sft_config
 
     run = TrainingRun(RunConfig(**changes), train_rows=rows, eval_rows=rows, run_dir=tmp_path)
     names = {"SFTConfig": SFTConfig, "resolve_compute_dtype": resolve_compute_dtype,

@@ -12,7 +12,7 @@ def controls_of(box):
 
 
 def test_alpha_follows_r_until_moved_by_hand():
-    from nb_helpers.widgets import TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import TRAIN_FIELDS, config_widgets
 
     cfg = RunConfig(lora_r=8, lora_alpha=16)
     box = config_widgets(cfg, fields=TRAIN_FIELDS)
@@ -30,7 +30,7 @@ def test_alpha_follows_r_until_moved_by_hand():
 
 
 def test_alpha_set_off_the_recipe_does_not_follow_and_panel_without_alpha_still_moves_it():
-    from nb_helpers.widgets import config_widgets
+    from nb_helpers.ui.widgets import config_widgets
 
     cfg = RunConfig(lora_r=8, lora_alpha=8)  # e.g. carried from notebook 02, where alpha was moved
     controls_of(config_widgets(cfg, fields=("lora_r", "lora_alpha")))["LoRA rank r"].value = 16
@@ -42,7 +42,7 @@ def test_alpha_set_off_the_recipe_does_not_follow_and_panel_without_alpha_still_
 
 
 def test_targets_are_validated_on_every_change_and_errors_reach_the_panel(tmp_path):
-    from nb_helpers.widgets import LORA_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import LORA_FIELDS, config_widgets
 
     cfg = RunConfig(runs_dir=str(tmp_path / "runs"))
     errors, changes = [], []
@@ -62,8 +62,8 @@ def test_targets_are_validated_on_every_change_and_errors_reach_the_panel(tmp_pa
 
 
 def test_plan_panel_shows_the_error_then_recovers(tiny_model_dir, tiny_cfg):
-    from nb_helpers.planner import load_shape
-    from nb_helpers.widgets import LORA_FIELDS, config_widgets, plan_widget
+    from nb_helpers.plan.planner import load_shape
+    from nb_helpers.ui.widgets import LORA_FIELDS, config_widgets, plan_widget
 
     view = plan_widget(tiny_cfg, load_shape(tiny_model_dir))
     box = config_widgets(tiny_cfg, fields=LORA_FIELDS, targets=["q_proj", "v_proj"], on_change=view.update,
@@ -75,7 +75,7 @@ def test_plan_panel_shows_the_error_then_recovers(tiny_model_dir, tiny_cfg):
 
 
 def test_controls_are_wide_enough_and_fall_back_to_static_html():
-    from nb_helpers.widgets import CONTROL_WIDTH, LABEL_WIDTH, TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import CONTROL_WIDTH, LABEL_WIDTH, TRAIN_FIELDS, config_widgets
 
     box = config_widgets(RunConfig(), fields=TRAIN_FIELDS)
     for control in box.children[:-1]:
@@ -88,7 +88,7 @@ def test_controls_are_wide_enough_and_fall_back_to_static_html():
 
 def test_choices_are_carried_to_the_next_notebook(tmp_path, monkeypatch, capsys):
     from nb_helpers.course import carry_path, course_config, save_choices
-    from nb_helpers.widgets import TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import TRAIN_FIELDS, config_widgets
 
     overrides = tmp_path / "over.json"
     overrides.write_text(json.dumps({"runs_dir": str(tmp_path / "runs")}))
@@ -121,7 +121,7 @@ def test_live_plot_caption_and_a_point_per_step(monkeypatch):
             shown.append(obj)
 
     monkeypatch.setattr("IPython.display.display", lambda obj, display_id=None: shown.append(obj) or Handle())
-    from nb_helpers.plots import LivePlot
+    from nb_helpers.ui.plots import LivePlot
 
     live = LivePlot(name="this run", every=1)
     live({"step": 0, "eval_loss": 1.0})

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from nb_helpers.planner import load_shape
-from nb_helpers.widgets import COURSE_CARD_GIB, TRAIN_FIELDS, config_widgets, plan_widget
+from nb_helpers.plan.planner import load_shape
+from nb_helpers.ui.widgets import COURSE_CARD_GIB, TRAIN_FIELDS, config_widgets, plan_widget
 
 
 def shown_peak(view) -> float:

@@ -19,6 +19,21 @@ from nb_helpers.config import PROJECT_ROOT  # noqa: E402
 SCREENSHOTS = PROJECT_ROOT / "runs" / "browser"  # runs/ is git-ignored
 
 
+def playwright_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("playwright") is None
+
+
+# Without Playwright the suite's modules cannot even be imported: leave them out and say why in one line (the report
+# header), unless CI requires the suite, where the import error is the failure it should be.
+collect_ignore_glob = ["test_*.py"] if playwright_missing() and not os.environ.get(REQUIRED_ENV) else []
+
+
+def pytest_report_header(config):
+    return missing_requirement()
+
+
 def pytest_collection_modifyitems(config, items):
     reason = missing_requirement()
     browser_items = [i for i in items if "tests/browser" in str(i.fspath).replace(os.sep, "/")]

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from nb_helpers.config import PROJECT_ROOT
+from nb_helpers.distributed import free_port
 
 CHROMIUM_ENV = "NB_CHROMIUM"  # another Chromium or Chrome binary than Debian's
 DEFAULT_CHROMIUM = "/usr/bin/chromium"
@@ -49,20 +49,14 @@ def missing_requirement() -> str | None:
 
 def copy_project(dest: Path) -> Path:
     """The course in a scratch folder, so runs/, the carried config and saved notebooks never touch the real one."""
-    # bench/shapes: notebook 02's models; bench/results: the GPU benchmark notebook 04 shows
-    for name in ("nb_helpers", "notebooks", "data", "jupyter", "bench/shapes", "bench/results"):
+    # bench/results: the GPU benchmark notebook 04 shows (notebook 02's model shapes are package data of nb_helpers)
+    for name in ("nb_helpers", "notebooks", "data", "jupyter", "bench/results"):
         shutil.copytree(PROJECT_ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_*"))
     shutil.copy(PROJECT_ROOT / "pyproject.toml", dest / "pyproject.toml")
     cache = PROJECT_ROOT / ".cache"
     if cache.exists():  # the embedded model, fetched once per checkout
         (dest / ".cache").symlink_to(cache.resolve(), target_is_directory=True)
     return dest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LabServer:

@@ -133,7 +133,7 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     family_cell = nb.cell(family)
     assert_controls_render(nb, family_cell, ["model", "predicted peak"])
     from nb_helpers.config import RunConfig
-    from nb_helpers.planner import known_shapes, plan_for_family
+    from nb_helpers.plan.catalog import known_shapes, plan_for_family
 
     family_cell.locator(".widget-dropdown select").select_option(label=f"qwen3-4b: {known_shapes()['qwen3-4b']}")
     recipe = RunConfig(lora_r=16, lora_alpha=32, lora_dropout=ci_config().lora_dropout)  # the GPU recipe, r=16 chosen
@@ -249,7 +249,7 @@ def figures_in(nb, index):
 
 
 def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, screenshots):
-    from nb_helpers.benchmarks import load_benchmark
+    from nb_helpers.ui.benchmarks import load_benchmark
     from nb_helpers.runs import list_runs, load_run
 
     nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()
@@ -306,7 +306,7 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
 
 
 def test_04_rerun_shows_the_new_run(page, lab, project, screenshots):
-    from nb_helpers.benchmarks import load_benchmark
+    from nb_helpers.ui.benchmarks import load_benchmark
     from nb_helpers.runs import list_runs, load_run
 
     nb = Notebook(page, lab, "04_metrics_analysis.ipynb").open()  # still open in its kernel: no setup re-run

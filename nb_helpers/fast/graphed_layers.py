@@ -33,21 +33,16 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from nb_helpers.frontend import say_once
+
 PAD_MULTIPLE = 64  # tokens: shapes a run meets (8 x 512 rows: one; the shipped data, 8 x ~110: 128 and rarely 64)
 MAX_SHAPES = 8  # graphs kept per layer; a run with more shapes than this replays the first ones, the rest run eagerly
 _SIMPLE = (type(None), bool, int, float, str)
-_SAID: set = set()
 
 
 def padded_length(tokens: int) -> int:
     """The length a batch whose longest row has `tokens` tokens is padded to (the collator's pad_to_multiple_of)."""
     return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
-def _say_once(key: str, message: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        print(message, flush=True)
 
 
 _STREAMS: dict = {}  # device index -> the capture stream, kept for the whole process (reset() keeps it)
@@ -116,7 +111,7 @@ class LayerGraphs:
     def entry(self, key):
         if key not in self.entries:
             if len(self.entries) >= MAX_SHAPES:
-                _say_once("graph-shapes", f"[fast] a layer met more than {MAX_SHAPES} input shapes: new shapes run "
+                say_once("graph-shapes", f"[fast] a layer met more than {MAX_SHAPES} input shapes: new shapes run "
                                           "without CUDA graphs (pad batches to fewer lengths to keep them)")
                 return None
             self.entries[key] = _Entry()
@@ -187,7 +182,7 @@ class _Plan:
         self.entry = graphs.entry(signature) if on_cuda else None
         self.out_spec = self.entry.out_spec if self.entry is not None else None
         if signature is None:
-            _say_once("graph-args", f"[fast] {graphs.layer_name} was called with a value a CUDA graph cannot take "
+            say_once("graph-args", f"[fast] {graphs.layer_name} was called with a value a CUDA graph cannot take "
                                     "as an input: it runs without graphs (same math)")
 
     def call(self, tensors):
@@ -314,7 +309,7 @@ def _fail(entry, plan, error) -> None:
     if _STRICT[0] and "OutOfMemoryError" in type(error).__name__:
         raise error
     entry.failed, entry.forward, entry.backward = True, None, None
-    _say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
+    say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
                             f"({type(error).__name__}: {str(error)[:160]}); it runs without graphs (same math)")
 
 

@@ -101,8 +101,8 @@ class Shape:
                 f"model_type {model_type!r} is not modelled by the planner; it knows "
                 f"{', '.join(f'{k} ({v.label})' for k, v in FAMILIES.items())}. Modelling it needs its decoder "
                 "layer's linear layers (names, sizes, biases), its norms, and what its attention and MLP save for "
-                "backward (nb_helpers/architecture.py and planner.layer_activation_bytes_per_token). Training may "
-                "still work: only the prediction is missing")
+                "backward (nb_helpers/plan/architecture.py and activations.layer_activation_bytes_per_token). "
+                "Training may still work: only the prediction is missing")
         family = FAMILIES[model_type]
         get = lambda key, default=None: getattr(config, key, default)  # noqa: E731
         heads = get("num_attention_heads")
@@ -264,6 +264,12 @@ def resolve_targets(targets, available) -> tuple[str, ...]:
                          f"its linear layers are {sorted(set(available))}: pick from those (lm_head is best left "
                          "out), or all-linear")
     return tuple(out)
+
+
+def plan_targets(shape: Shape, targets) -> tuple[str, ...]:
+    """The targets under the model's own names (Phi: q,k,v -> qkv_proj); all-linear -> every linear layer."""
+    resolved = resolve_targets(targets, shape.all_linear())
+    return shape.all_linear() if resolved == ("all-linear",) else resolved
 
 
 def known_families() -> dict[str, str]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .config import ConfigError, RunConfig
-from .architecture import Shape, UnsupportedModel
-from .dtypes import cuda_capability, gpu_compute_dtype
-from .lora import check_targets
-from .models import ModelChoice
+from nb_helpers.config import ConfigError, RunConfig
+from nb_helpers.plan.architecture import Shape, UnsupportedModel
+from nb_helpers.plan.dtypes import cuda_capability, gpu_compute_dtype
+from nb_helpers.lora import check_targets
+from nb_helpers.models import ModelChoice
 
 
 def model_config(cfg: RunConfig, choice: ModelChoice):

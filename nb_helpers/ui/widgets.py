@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import html
 
-from .config import COURSE_CARD_GIB, ConfigError, RunConfig
+from nb_helpers.config import COURSE_CARD_GIB, ConfigError, RunConfig
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -53,31 +53,26 @@ def _error_html(message: str) -> str:
     return f"<div style='color:{OVER_COLOR};white-space:pre-wrap'><b>&#10008;</b> {html.escape(message)}</div>"
 
 
-def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error=None, targets=None,
-                   carry: bool = False):
-    """A box of controls that write straight into `cfg`, with a status line under them.
+class _Binding:
+    """The state behind config_widgets' controls: every change goes through apply(), which validates it first."""
 
-    Every change is validated: a valid one updates `cfg`, the status line and `on_change(cfg)`; an invalid one
-    leaves `cfg` as it was and shows the reason in red (and passes it to `on_error(message)`). `targets` (the
-    model's linear layer names) adds a selector for `cfg.target_modules`. While alpha = 2r (the recipe), moving r
-    moves alpha with it; once you move alpha yourself, it stays where you put it. `carry=True` saves every valid
-    change for the next notebook (nb_helpers.course)."""
-    import ipywidgets as w
+    def __init__(self, cfg: RunConfig, status, saved_fields: list[str], on_change, on_error, carry: bool):
+        self.cfg, self.status, self.saved_fields = cfg, status, saved_fields
+        self.on_change, self.on_error, self.carry = on_change, on_error, carry
+        self.alpha_follows = cfg.lora_alpha == RECIPE_ALPHA_PER_RANK * cfg.lora_r
+        self.syncing = False
+        self.controls: dict[str, object] = {}
 
-    status = w.HTML()
-    state = {"alpha_follows": cfg.lora_alpha == RECIPE_ALPHA_PER_RANK * cfg.lora_r, "syncing": False}
-    controls: dict[str, object] = {}
-    saved_fields = [*fields, *(["target_modules"] if targets is not None else [])]
-    if "lora_r" in fields and "lora_alpha" not in saved_fields:
-        saved_fields.append("lora_alpha")  # it follows r, so it is a choice too
+    def refresh(self) -> None:
+        cfg = self.cfg
+        follows = " (follows r: the recipe's alpha = 2r)" if self.alpha_follows else ""
+        self.status.value = (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = "
+                             f"{cfg.effective_batch} sequences per optimizer step &nbsp;|&nbsp; <b>alpha/r</b> = "
+                             f"{cfg.lora_alpha}/{cfg.lora_r} = {cfg.lora_alpha / cfg.lora_r:g}{follows}<br>"
+                             f"{html.escape(cfg.summary_line())}")
 
-    def refresh():
-        follows = " (follows r: the recipe's alpha = 2r)" if state["alpha_follows"] else ""
-        status.value = (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = {cfg.effective_batch} "
-                        f"sequences per optimizer step &nbsp;|&nbsp; <b>alpha/r</b> = {cfg.lora_alpha}/{cfg.lora_r} = "
-                        f"{cfg.lora_alpha / cfg.lora_r:g}{follows}<br>{html.escape(cfg.summary_line())}")
-
-    def apply(changes: dict) -> None:
+    def apply(self, changes: dict) -> None:
+        cfg = self.cfg
         old = {name: getattr(cfg, name) for name in changes}
         for name, value in changes.items():
             setattr(cfg, name, value)
@@ -88,37 +83,43 @@ def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error
                 setattr(cfg, name, value)
             kept = ", ".join(f"{k}={v}" for k, v in old.items())
             message = f"{e}\n(the config keeps {kept} until the choice is valid)"
-            status.value = _error_html(message)
-            if on_error:
-                on_error(message)
+            self.status.value = _error_html(message)
+            if self.on_error:
+                self.on_error(message)
             return
-        refresh()
-        if carry:
-            from .course import save_choices
+        self.refresh()
+        if self.carry:
+            from nb_helpers.course import save_choices
 
-            save_choices(cfg, saved_fields)
-        if on_change:
-            on_change(cfg)
+            save_choices(cfg, self.saved_fields)
+        if self.on_change:
+            self.on_change(cfg)
 
-    def changed(change, name):
-        if state["syncing"]:
+    def changed(self, change, name: str) -> None:
+        if self.syncing:
             return
-        value = change["new"]
+        cfg, value = self.cfg, change["new"]
         if name == "target_modules":  # the config's order for the layers it keeps: a reselection changes nothing
             value = [t for t in cfg.target_modules if t in value] + [t for t in value if t not in cfg.target_modules]
         changes = {name: value}
         if name == "lora_alpha":
-            state["alpha_follows"] = value == RECIPE_ALPHA_PER_RANK * cfg.lora_r
-        if name == "lora_r" and state["alpha_follows"]:
+            self.alpha_follows = value == RECIPE_ALPHA_PER_RANK * cfg.lora_r
+        if name == "lora_r" and self.alpha_follows:
             changes["lora_alpha"] = RECIPE_ALPHA_PER_RANK * value
-            if "lora_alpha" in controls:
-                state["syncing"] = True  # the alpha control shows the new value without counting as a user move
+            if "lora_alpha" in self.controls:
+                self.syncing = True  # the alpha control shows the new value without counting as a user move
                 try:
-                    controls["lora_alpha"].value = changes["lora_alpha"]
+                    self.controls["lora_alpha"].value = changes["lora_alpha"]
                 finally:
-                    state["syncing"] = False
-        apply(changes)
+                    self.syncing = False
+        self.apply(changes)
 
+
+def _controls(cfg: RunConfig, fields, targets) -> dict[str, object]:
+    """One control per field (and the target selector when `targets` is given), each showing cfg's value."""
+    import ipywidgets as w
+
+    controls: dict[str, object] = {}
     for name in fields:
         kind, options, description = CONTROLS[name]
         if name == "lora_alpha":  # every alpha that following r can reach is on the slider
@@ -130,10 +131,29 @@ def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error
         controls["target_modules"] = w.SelectMultiple(
             options=options, value=tuple(cfg.target_modules), rows=min(len(options), 8), description="targets",
             style={"description_width": LABEL_WIDTH}, layout=w.Layout(width=CONTROL_WIDTH))
-    for name, control in controls.items():
-        control.observe(lambda change, name=name: changed(change, name), names="value")
-    refresh()
-    return _panel_class()(list(controls.values()) + [status])
+    return controls
+
+
+def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error=None, targets=None,
+                   carry: bool = False):
+    """A box of controls that write straight into `cfg`, with a status line under them.
+
+    Every change is validated: a valid one updates `cfg`, the status line and `on_change(cfg)`; an invalid one
+    leaves `cfg` as it was and shows the reason in red (and passes it to `on_error(message)`). `targets` (the
+    model's linear layer names) adds a selector for `cfg.target_modules`. While alpha = 2r (the recipe), moving r
+    moves alpha with it; once you move alpha yourself, it stays where you put it. `carry=True` saves every valid
+    change for the next notebook (nb_helpers.course)."""
+    import ipywidgets as w
+
+    saved_fields = [*fields, *(["target_modules"] if targets is not None else [])]
+    if "lora_r" in fields and "lora_alpha" not in saved_fields:
+        saved_fields.append("lora_alpha")  # it follows r, so it is a choice too
+    binding = _Binding(cfg, w.HTML(), saved_fields, on_change, on_error, carry)
+    binding.controls = _controls(cfg, fields, targets)
+    for name, control in binding.controls.items():
+        control.observe(lambda change, name=name: binding.changed(change, name), names="value")
+    binding.refresh()
+    return _panel_class()(list(binding.controls.values()) + [binding.status])
 
 
 @functools.cache
@@ -167,13 +187,13 @@ class PlanView:
     """The planner's predicted peak for `cfg` against a budget, with its breakdown, in an ipywidgets.HTML.
 
     `update(cfg)` recomputes it (pass it as `config_widgets(..., on_change=view.update)`); `view.plan` is the
-    latest nb_helpers.planner.Plan (None when the planner could not answer). Display it with `display(view)`."""
+    latest nb_helpers.plan.planner.Plan (None when the planner could not answer). Display it with `display(view)`."""
 
     def __init__(self, cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None):
         import ipywidgets as w
 
-        from .dtypes import cuda_capability
-        from .planner import default_context_gib, load_shape
+        from nb_helpers.plan.dtypes import cuda_capability
+        from nb_helpers.plan.planner import default_context_gib, load_shape
 
         # Everything that does not depend on the knobs is worked out once: config.json, the GPU, its CUDA context.
         self.shape, self.shape_error = shape, None
@@ -206,7 +226,8 @@ class PlanView:
         return COURSE_CARD_GIB, "the 4 GB card this course targets (set cfg.budget_gib for another card)"
 
     def update(self, cfg: RunConfig) -> None:
-        from .planner import graphs_dropped_unless_they_fit, plan_for_config
+        from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
+        from nb_helpers.plan.planner import plan_for_config
 
         budget, source = self.budget_for(cfg)
         try:
@@ -242,7 +263,7 @@ class PlanView:
 
 def plan_html(result, budget_source: str, device_note: str) -> str:
     """The verdict line (green fits, red does not fit), then a compact table of the non-zero components in GiB."""
-    from .planner import COMPONENT_LABELS, GIB
+    from nb_helpers.plan.planner import COMPONENT_LABELS, GIB
 
     peak, budget = result.peak_gib, result.budget_gib
     if result.fits:
@@ -283,7 +304,7 @@ def plan_html(result, budget_source: str, device_note: str) -> str:
 
 def plan_widget(cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None) -> PlanView:
     """Live "will it fit?": the predicted peak of `cfg` against the budget (budget_gib, else cfg.budget_gib, else
-    4.0 GiB, the card this course targets), with its breakdown. `shape` is nb_helpers.planner.load_shape(model
+    4.0 GiB, the card this course targets), with its breakdown. `shape` is nb_helpers.plan.planner.load_shape(model
     path), read once (a path is read here). Without a CUDA GPU the prediction is for a GTX 1650-class card
     (compute capability 7.5, CUDA context 0.30 GiB). Wire it to the sliders:
 
@@ -294,11 +315,11 @@ def plan_widget(cfg: RunConfig, shape, budget_gib: float | None = None, context_
 
 
 def family_plan_widget(cfg: RunConfig, start: str | None = None, budget_gib: float | None = None):
-    """A model choice over every shape in bench/shapes/ (no download) and the planner's panel for the chosen one,
+    """A model choice over every shape in nb_helpers/plan/shapes/ (no download) and the planner's panel for the chosen one,
     with cfg's knobs; LoRA targets are translated to each family's layer names (Phi's qkv_proj, say)."""
     import ipywidgets as w
 
-    from .planner import known_shape, known_shapes
+    from nb_helpers.plan.catalog import known_shape, known_shapes
 
     names = known_shapes()
     choice = w.Dropdown(options=[(f"{name}: {about}", name) for name, about in names.items()],

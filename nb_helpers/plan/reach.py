@@ -1,11 +1,13 @@
-"""Which model fits a card, and how long a row: the planner asked about every shape in bench/shapes/ (Qwen3,
+"""Which model fits a card, and how long a row: the planner asked about every shape in nb_helpers/plan/shapes/ (Qwen3,
 Gemma 3, Llama-3.2, Phi-4-mini, SmolLM, TinyLlama). Predictions only: README's reach table holds what was measured."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .planner import Plan, graphs_dropped_unless_they_fit, known_shape, known_shapes, plan, plan_for_config
+from nb_helpers.plan.catalog import known_shape, known_shapes
+from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
+from nb_helpers.plan.planner import Plan, plan, plan_for_config
 
 ROW_STEP = 512  # longest_row's resolution in tokens: finer than this the planner's ±5% says nothing
 

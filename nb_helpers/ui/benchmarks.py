@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import PROJECT_ROOT
+from nb_helpers.config import PROJECT_ROOT
 
 THROUGHPUT_JSON = PROJECT_ROOT / "bench" / "results" / "throughput.json"
 RECIPES = ("reference", "ours")  # the two runs every workload has; the levers' runs are for bench/NOTES.md

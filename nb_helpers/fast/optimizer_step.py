@@ -26,11 +26,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bitsandbytes' kernel
 def _kernels():
     if not _KERNELS:
         try:
-            from bitsandbytes.backends.cuda import ops
+            from nb_helpers.fast import compat
 
-            tables = (dict(zip(_DTYPES, ops.str2optimizer8bit_blockwise["adam"])),
-                      dict(zip(_DTYPES, ops.str2optimizer32bit["adam"])))
-            _KERNELS.append((tables, None))
+            _KERNELS.append((compat.adam_kernels(), None))
         except Exception as error:  # noqa: BLE001 - a CPU-only build, or bitsandbytes moved its kernel tables
             _KERNELS.append((None, f"{type(error).__name__}: {str(error)[:100]}"))
     return _KERNELS[0][0]
@@ -111,3 +109,16 @@ def install(optimizer) -> bool:
     own_step = optimizer.step
     optimizer.step = types.MethodType(lambda self, closure=None: direct_step(self, closure, own_step), optimizer)
     return True
+
+
+def install_on_trainer(trainer) -> None:
+    """The optimizer the Trainer makes (the recipe's paged_adamw_8bit, in trainer.train()) steps through
+    bitsandbytes' kernels directly: the same updates without a device synchronize per parameter."""
+    make = trainer.create_optimizer
+
+    def create_optimizer(*args, **kwargs):
+        optimizer = make(*args, **kwargs)
+        install(optimizer)
+        return optimizer
+
+    trainer.create_optimizer = create_optimizer

@@ -24,6 +24,8 @@ import types
 
 import torch
 
+from nb_helpers.frontend import say_once
+
 
 def _dequantize(weight, direct: bool = False):
     """W in its compute dtype. `direct`: through bitsandbytes' own CUDA kernels, called as bitsandbytes' CUDA backend
@@ -36,8 +38,8 @@ def _dequantize(weight, direct: bool = False):
         from bitsandbytes.functional import dequantize_4bit
 
         return dequantize_4bit(data, state)
-    absmax_kernel, weight_kernels = kernels
-    stream = torch._C._cuda_getCurrentRawStream(data.device.index)
+    absmax_kernel, weight_kernels, stream_of = kernels
+    stream = stream_of(data.device.index)
     absmax = state.absmax
     if state.nested:  # double quantization: the absmax are 8-bit themselves, blockwise over their own absmax
         nested = state.state2
@@ -51,7 +53,7 @@ def _dequantize(weight, direct: bool = False):
     return out
 
 
-_KERNELS: list = []  # probed once: [(None, why)] or [((absmax kernel, {(dtype, quant type): weight kernel}), None)]
+_KERNELS: list = []  # probed once: [(None, why)] or [((absmax kernel, {(dtype, quant): weight kernel}, stream), None)]
 
 
 def _direct_kernels():
@@ -69,21 +71,13 @@ def direct_kernels_unavailable_reason() -> str | None:
 
 def _probe_kernels():
     """bitsandbytes' dequantize kernels with the argument types its CUDA backend declares, and None; or None and why
-    not (a CPU-only or a changed bitsandbytes)."""
-    try:
-        import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' ctypes argument types
-        from bitsandbytes.cextension import lib
+    not (a CPU-only build, or internals that fast.compat finds changed)."""
+    from nb_helpers.fast import compat
 
-        raw = lib._lib
-        dtypes = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-        weight_kernels = {(dtype, quant): getattr(raw, f"cdequantize_blockwise_{name}_{quant}")
-                          for dtype, name in dtypes.items() for quant in ("nf4", "fp4")}
-        absmax_kernel = raw.cdequantize_blockwise_fp32
-        if not all(len(k.argtypes or ()) == 7 for k in (absmax_kernel, *weight_kernels.values())):
-            raise RuntimeError("their argument types are not the 7 this code passes")
+    try:
+        return compat.dequantize_kernels(), None
     except Exception as e:  # noqa: BLE001 - any import or attribute change in bitsandbytes' internals
-        return None, f"{type(e).__name__}: {str(e)[:100]}"
-    return (absmax_kernel, weight_kernels), None
+        return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
 def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool):
@@ -186,3 +180,24 @@ def install(model, direct_dequant: bool = True) -> int:
             module.forward, module._nb_direct = types.MethodType(_frozen_forward, module), direct_dequant
             patched += 1
     return patched
+
+
+def apply_fused_lora(model, verbose: bool = True, direct_dequant: bool = True) -> bool:
+    """Route the 4-bit layers through the fused functions (same math, fewer host calls). CUDA only."""
+    if not torch.cuda.is_available():
+        if verbose:
+            say_once("fused-lora", "[fast] fused QLoRA layers off: no CUDA GPU; peft's and bitsandbytes' layers run")
+        return False
+    count = install(model, direct_dequant=direct_dequant and direct_dequant_available(verbose))
+    if verbose:
+        say_once("fused-lora-on", f"[fast] {count} 4-bit layers run as fused QLoRA functions (one call each)")
+    return count > 0
+
+
+def direct_dequant_available(verbose: bool = True) -> bool:
+    """Whether the fused layers can call bitsandbytes' dequantize kernels directly; if not, says once why."""
+    reason = direct_kernels_unavailable_reason()
+    if reason is not None and verbose:
+        say_once("direct-dequant", f"[fast] bitsandbytes' dequantize kernels are not reachable directly ({reason}); "
+                                   "using its public dequantize_4bit (same result, more host time per call)")
+    return reason is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .metrics import median
+from nb_helpers.metrics import median
 
 SPIKE_FACTOR = 2.0  # a step this many times slower than the median is a spike
 
@@ -90,7 +90,7 @@ def predicted_vs_measured(summary: dict) -> list[dict]:
     Rows: each non-zero predicted component (measured: none, NVML sees only the total), then the device peak
     (nvidia-smi's number, context included: `peak_vram_gib`) and PyTorch's reserved peak (`peak_reserved_gib`),
     each with the relative error when the run measured it. Empty when the run predates the planner."""
-    from .planner import COMPONENT_LABELS
+    from nb_helpers.plan.planner import COMPONENT_LABELS
 
     components = summary.get("predicted_components_gib")
     total = summary.get("predicted_peak_gib")

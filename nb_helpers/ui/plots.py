@@ -118,7 +118,7 @@ class LivePlot:
 
 
 def plot_benchmark(bench, figsize=(9, 3.2)):
-    """Tokens/s and peak device memory of the reference recipe and our path, per workload (nb_helpers.benchmarks),
+    """Tokens/s and peak device memory of the reference recipe and our path, per workload (nb_helpers.ui.benchmarks),
     with the budget as a dashed line on the memory panel."""
     fig = CourseFigure(figsize=figsize)
     speed, memory = fig.subplots(1, 2)

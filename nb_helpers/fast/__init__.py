@@ -1,0 +1,192 @@
+"""The fast path: not needed to follow the course; `RunConfig(fast_path=False)` turns it off.
+
+On a CUDA GPU it trains the reference recipe's math with less memory and less time per token than the plain
+transformers + peft + TRL stack (bench/results/throughput.json; bench/NOTES.md has each lever measured alone). Off,
+or on a CPU, the course runs the stock layers of notebooks 01-03 and nothing in this folder touches the model.
+The course reaches it through this module alone, in four calls:
+
+    fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
+    before_lora(model, fast)              # the base frozen without upcasts; fused kernels     (fast.kernels)
+    after_lora(model, fast, cfg)          # no mask, fused QLoRA layers, checkpoint functions  (fast.mask,
+                                          #   fast.fused_lora, fast.checkpoints, fast.offload, fast.graphed_layers)
+    adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
+                                          #   (fast.optimizer_step)
+
+One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every use of
+another library's private API sits in fast.compat and is checked there: a failed check turns its lever off with one
+line naming the API, and `make test` fails on it. `levers_ran(model)` is what config.json, summary.json and the log
+say ran, and why any lever fell back.
+"""
+
+from __future__ import annotations
+
+from nb_helpers.fast.options import ENV_VAR, FastOptions, gpu_options, kernels_installed, options_of
+from nb_helpers.frontend import say_once
+
+__all__ = ["ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for", "before_lora",
+           "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments", "checkpoint_kwargs",
+           "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
+           "reset_graphs", "add_fused_lm_head", "set_trainer_device"]
+
+
+def options_for(cfg) -> FastOptions:
+    """The run's levers: `cfg.fast_path`, the machine, NB_FASTPATH, then any lever whose private API failed its check
+    (fast.compat) turned off with one line."""
+    from nb_helpers.fast import compat
+
+    fast = FastOptions.for_run(cfg)
+    for lever, why in compat.failed([name for name, on in fast.speed_levers().items() if on]).items():
+        setattr(fast, lever, False)
+        say_once(f"compat-{lever}", compat.fallback_note(lever, why))
+    return fast
+
+
+def before_lora(model, fast: FastOptions) -> None:
+    """Before get_peft_model: the fused kernels patch the base model's norms, MLPs and RoPE."""
+    if fast.kernels:
+        from nb_helpers.fast.kernels import apply_fused_kernels
+
+        record(model, "kernels", apply_fused_kernels(model))
+
+
+def after_lora(model, fast: FastOptions, cfg) -> None:
+    """After get_peft_model: no mask for right padding, fused QLoRA layers, this run's checkpoint functions."""
+    from nb_helpers.fast.checkpoints import install_offload
+    from nb_helpers.fast.mask import install_mask_drop
+
+    model._nb_fast, model._nb_use_graphs, model._nb_levers = fast, cfg.graphs_wanted, getattr(model, "_nb_levers", {})
+    if fast.nomask:
+        install_mask_drop(model)
+    if fast.fused_lora:
+        from nb_helpers.fast.fused_lora import apply_fused_lora
+
+        record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant))
+    if cfg.fast_path:
+        install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
+    elif cfg.offload_checkpoints:
+        say_once("offload-plain", "[fast] offload_checkpoints needs the fast path (fast_path=True); checkpoints stay "
+                                  "on the GPU")
+
+
+def adapt_trainer(trainer, model) -> None:
+    """On a built trainer: a batch that is not right-padded turns the mask drop off; the optimizer the Trainer makes
+    steps through bitsandbytes' kernels directly."""
+    fast = getattr(model, "_nb_fast", None)
+    if fast is not None and fast.nomask:
+        from nb_helpers.fast.mask import guard_collator
+
+        trainer.data_collator = guard_collator(trainer.data_collator, model)
+    if fast is not None and fast.direct_optim:
+        from nb_helpers.fast.optimizer_step import install_on_trainer
+
+        install_on_trainer(trainer)
+
+
+def record(model, lever: str, ran: bool) -> None:
+    """What an installer found: some levers can only fall back once they meet the model (no liger for this family)."""
+    model._nb_levers = {**getattr(model, "_nb_levers", {}), lever: bool(ran)}
+
+
+def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
+    """{lever: ran} for this model's run, as config.json and summary.json record it ({} on a CPU). `expandable`: what
+    the allocator really took (a user's own PYTORCH_CUDA_ALLOC_CONF wins), where the run set it."""
+    import torch
+
+    from nb_helpers.fast.checkpoints import graphs_on, pad_multiple
+
+    if not torch.cuda.is_available():
+        return {}
+    fast = options_of(model)
+    ran = fast.speed_levers()
+    ran.update(getattr(model, "_nb_levers", {}))
+    checkpointing = bool(cfg.gradient_checkpointing)
+    ran.update(graphs=graphs_on(model) and checkpointing, pad_lengths=pad_multiple(model) is not None,
+               offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
+               reentrant=fast.reentrant and checkpointing)
+    if not ran.get("fused_lora"):
+        ran["direct_dequant"] = False  # the fused layers are what call the kernels directly
+    if expandable is not None:
+        ran["expandable"] = bool(expandable)
+    return ran
+
+
+def levers_line(model, cfg, ran: dict | None = None) -> str:
+    """The log's one line: which levers run, which do not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "[fast] fast path: not used on the CPU (the stock layers of notebooks 01-03)"
+    if not cfg.fast_path:
+        return "[fast] fast_path=False: the plain transformers + peft + TRL stack, no lever runs"
+    ran = ran if ran is not None else levers_ran(model, cfg)
+    on = [k for k, v in ran.items() if v]
+    off = [k for k, v in ran.items() if not v]
+    return f"[fast] levers on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'} (NB_FASTPATH=lever=0|1)"
+
+
+def use_expandable_segments(fast: FastOptions) -> bool | None:
+    """Expandable allocator segments where the lever is on (fast.compat holds the private call); None when off."""
+    if not fast.expandable:
+        return None
+    from nb_helpers.fast.compat import use_expandable_segments as expandable
+
+    return expandable()
+
+
+def checkpoint_kwargs(model=None) -> dict:
+    from nb_helpers.fast.checkpoints import checkpoint_kwargs as kwargs
+
+    return kwargs(model)
+
+
+def graphs_on(model=None) -> bool:
+    from nb_helpers.fast.checkpoints import graphs_on as on
+
+    return on(model)
+
+
+def pad_multiple(model) -> int | None:
+    from nb_helpers.fast.checkpoints import pad_multiple as multiple
+
+    return multiple(model)
+
+
+def padded_length(tokens: int) -> int:
+    from nb_helpers.fast.graphed_layers import padded_length as padded
+
+    return padded(tokens)
+
+
+def set_checkpoint_offload(model, offload: bool) -> None:
+    from nb_helpers.fast.checkpoints import set_checkpoint_offload as point
+
+    point(model, offload)
+
+
+def out_of_memory_raises():
+    """A context in which a CUDA graph capture that runs out of memory raises instead of falling back to eager."""
+    from nb_helpers.fast.graphed_layers import out_of_memory_raises as raises
+
+    return raises()
+
+
+def add_fused_lm_head(model) -> None:
+    """TRL's fused LM head (log-probs without the full logits) on a model outside SFTTrainer: auto-fit's trial step
+    measures the loss SFTTrainer will run."""
+    from nb_helpers.fast.compat import add_fused_lm_head as add
+
+    add(model)
+
+
+def set_trainer_device(trainer, device) -> None:
+    """The Trainer's cached device (a private attribute of TrainingArguments), for several CPU processes."""
+    from nb_helpers.fast.compat import set_trainer_device as set_device
+
+    set_device(trainer, device)
+
+
+def reset_graphs() -> None:
+    """Drop every captured graph and its memory pool (auto-fit's trials; a second run in one process)."""
+    from nb_helpers.fast.graphed_layers import reset
+
+    reset()

@@ -1,0 +1,95 @@
+"""Which function each checkpointed layer runs: torch's reentrant checkpoint, the same with its saved input in CPU RAM
+(fast.offload), or its two halves replayed as CUDA graphs (fast.graphed_layers); and the batch padding graphs need.
+
+Reentrant checkpoints (the GPU default) run the forward under no_grad: no autograd graph and no saved-tensor hook per
+saved tensor, which is host time on a host-bound step (bench/NOTES.md). They need an input that requires grad:
+transformers' gradient_checkpointing_enable makes the embeddings' output require it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from nb_helpers.fast import compat
+from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
+from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
+from nb_helpers.fast.options import options_of
+from nb_helpers.frontend import say_once
+
+
+def checkpoint_kwargs(model=None) -> dict:
+    """torch checkpoint's keyword arguments for this model's run: the one source for the Trainer, auto-fit's trial
+    step and the offload switch."""
+    return {"use_reentrant": bool(options_of(model).reentrant)}
+
+
+def graphs_on(model=None) -> bool:
+    """Whether this model's checkpointed layers run as CUDA graphs: the lever, a GPU, reentrant checkpoints (the
+    graphs are the reentrant checkpoint's two halves), and the run's choice (RunConfig.cuda_graphs, which
+    attach_lora and auto-fit record as `model._nb_use_graphs`)."""
+    import torch
+
+    fast = options_of(model)
+    return bool(fast.graphs and fast.reentrant and torch.cuda.is_available() and getattr(model, "_nb_use_graphs", True))
+
+
+def pad_multiple(model) -> int | None:
+    """The collator's length step, or None: where the layers run as CUDA graphs (one graph per shape), and on CUDA
+    with the `pad_lengths` lever (cuDNN's attention builds an execution plan for every new length)."""
+    import torch
+
+    if graphs_on(model) or (options_of(model).pad_lengths and torch.cuda.is_available()):
+        return PAD_MULTIPLE
+    return None
+
+
+def set_checkpoint_offload(model, offload: bool) -> None:
+    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
+    (graphs_on), both, or torch's plain checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    graphs = graphs_on(model)
+    plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
+    for layer in compat.checkpointed_layers(model):
+        compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else plain)
+
+
+def graphed_function(layer, offload: bool):
+    """The layer's graphed checkpoint, its saved input in CPU RAM with `offload` (the same saved-tensor hooks as
+    offloaded_checkpoint). Its graphs live as long as the layer (graphed_layers.reset drops them)."""
+    if getattr(layer, "_nb_graphs", None) is None:
+        layer._nb_graphs = LayerGraphs(layer)
+    if not offload:
+        return functools.partial(graphed_checkpoint, graphs=layer._nb_graphs)
+    return functools.partial(offloaded_graphed_checkpoint, graphs=layer._nb_graphs)
+
+
+def offloaded_graphed_checkpoint(function, *args, graphs, **kwargs):
+    with offload_hooks():
+        return graphed_checkpoint(function, *args, graphs=graphs, **kwargs)
+
+
+def install_offload(model, offload: bool) -> bool:
+    """Whenever checkpointing is turned on (the Trainer does it in train(), after this), point the layers at this
+    run's checkpoint function: offloaded if `model._nb_offload` says so (auto-fit may change that flag after this),
+    graphed where graphs_on. CUDA only. Returns whether the switch is installed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if offload:
+            say_once("offload", "[fast] checkpoint offload off: no CUDA GPU (the activations already live in RAM)")
+        return False
+    model._nb_offload = offload
+    enable = model.gradient_checkpointing_enable
+
+    def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
+        enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+        if model._nb_offload or graphs_on(model):
+            set_checkpoint_offload(model, model._nb_offload)
+        if model._nb_offload:
+            say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
+        if graphs_on(model):
+            say_once("graphs-on", "[fast] checkpointed layers replayed as CUDA graphs (captured once per shape)")
+
+    model.gradient_checkpointing_enable = enable_with_offload
+    return True

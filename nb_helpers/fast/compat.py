@@ -1,0 +1,398 @@
+"""Every private or internal API of another library that nb_helpers leans on, in one place, each with a probe.
+
+The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel (C
+kernels called through ctypes, a function transformers swaps per layer, an optimizer's state), none of it promised
+across versions. Each use is a Check whose probe verifies the name AND the shape we rely on, so an upgrade that moves
+one fails loudly in CI (tests/test_compat.py) and, at run time, its lever falls back with one line (fallback_note).
+Uses outside nb_helpers/fast carry the pseudo-lever "course": no fallback, the check must pass. Nothing imports eagerly.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from pkgutil import resolve_name as _resolve  # "pkg.module.Class.attr": imports what it can, then getattr
+from typing import Callable
+
+COURSE = "course"
+OPTIONAL = {"liger_kernel"}  # a GPU extra (requirements-gpu.txt): where it is absent the kernels lever is off anyway
+DISTRIBUTIONS = {"liger_kernel": "liger-kernel"}
+
+
+@dataclass(frozen=True)
+class Check:
+    api: str  # the dotted name a maintainer greps for
+    library: str  # its import name
+    levers: tuple[str, ...]  # the FastOptions fields that depend on it, or "course"
+    probe: Callable[[], str | None]  # None when fine, else a short reason
+
+
+# --- how probes look at a library ---------------------------------------------------------------------------------
+def _norm(code: str) -> str:  # source without its formatting: a reformat upstream is no false alarm
+    return ast.unparse(ast.parse(textwrap.dedent(code)))
+
+
+def _at(path: str, attrs=(), kind=None, value=None, text="", params=(), first=(), says=()):
+    """A probe of `path`: it exists (a `kind`, equal to `value`, printing as `text`) with `attrs`; its signature has
+    `params` and starts with `first` (what we pass by position); its source still `says` each snippet."""
+    def probe():
+        obj = _resolve(path)
+        if kind is callable and not callable(obj) or isinstance(kind, type) and not isinstance(obj, kind):
+            return f"{path} is a {type(obj).__name__}"
+        if value is not None and obj != value or text and text not in str(obj):
+            return f"{path} is {obj}, not the {value or text} we rely on"
+        if missing := [a for a in attrs if not hasattr(obj, a)]:
+            return f"{path} has no {', '.join(missing)}"
+        sig = inspect.signature(obj).parameters if params or first else {}
+        if missing := [n for n in params if n not in sig]:
+            return f"{path} has no parameter {', '.join(missing)}"
+        if tuple(sig)[:len(first)] != tuple(first):
+            return f"{path} takes {tuple(sig)[:len(first)]} first, we pass {first}"
+        code = _norm(inspect.getsource(obj)) if says else ""
+        missing = [s for s in says if _norm(s) not in code]
+        return f"{path} no longer does `{missing[0]}`" if missing else None
+    return probe
+
+
+def _source(module: str) -> str:
+    """A module's source, unimported: bitsandbytes' CUDA ops and liger's Triton ops do not import without a GPU.
+    A loaded module (or a stand-in a test put in sys.modules) is read from its own file."""
+    loaded = sys.modules.get(module)
+    if getattr(loaded, "__file__", None):
+        return Path(loaded.__file__).read_text(encoding="utf-8")
+    top, *rest = module.split(".")
+    if (spec := importlib.util.find_spec(top)) is None or not spec.submodule_search_locations:
+        raise ImportError(f"{top} is not installed")
+    base = Path(list(spec.submodule_search_locations)[0]).joinpath(*rest)
+    return (base / "__init__.py" if base.is_dir() else base.with_suffix(".py")).read_text(encoding="utf-8")
+
+
+def _def(tree, qualname: str):
+    for name in qualname.split("."):
+        tree = next((n for n in getattr(tree, "body", []) if getattr(n, "name", None) == name), None)
+    return tree
+
+
+def _in_source(module: str, qualname: str, first=(), params=()):
+    """_at's signature checks for a function read from source, not imported."""
+    def probe():
+        if (node := _def(ast.parse(_source(module)), qualname)) is None:
+            return f"{module}.{qualname} is gone"
+        have = [a.arg for a in node.args.posonlyargs + node.args.args]
+        if missing := set(params) - set(have) - {a.arg for a in node.args.kwonlyargs}:
+            return f"{qualname} has no parameter {', '.join(sorted(missing))}"
+        return None if tuple(have[:len(first)]) == first else f"{qualname} takes {have}, we pass {first}"
+    return probe
+
+
+def _c_binding(name: str) -> str | None:
+    """A CUDA-only binding: the CPU build lacks it, so there torch's stubs or its trace rules must still name it."""
+    import torch
+    if torch.version.cuda:
+        return None if callable(getattr(torch._C, name, None)) else f"torch._C has no {name}"
+    text = "".join(p.read_text(encoding="utf-8") for p in map(Path(torch.__file__).parent.joinpath, (
+        "_C/__init__.pyi", "_dynamo/trace_rules.py")) if p.exists())
+    return None if f"def {name}(" in text or f"torch._C.{name}" in text else f"torch no longer names _C.{name}"
+
+
+# --- bitsandbytes' C kernels, called through ctypes ---------------------------------------------------------------
+BNB_OPS = "bitsandbytes.backends.cuda.ops"
+QUANTS = ("nf4", "fp4")
+DEQUANT_4BIT = [f"cdequantize_blockwise_{d}_{q}" for d in ("bf16", "fp16", "fp32") for q in QUANTS]
+ADAM_8BIT = [f"cadam_8bit_blockwise_grad_{d}" for d in ("fp32", "fp16", "bf16")]  # the order of our dtype tables
+ADAM_32BIT = [f"cadam32bit_grad_{d}" for d in ("fp32", "fp16", "bf16")]
+
+
+def _kernels(function: str, symbols: list[str], nargs: int, table: str | None = None):
+    """bitsandbytes' own call of these symbols passes `nargs` arguments, as ours does: read from its source, since
+    the CPU build exports no CUDA kernels. The CUDA build's loaded library is checked as well."""
+    def probe():
+        tree = ast.parse(_source(BNB_OPS))
+        if (fn := _def(tree, function)) is None:
+            return f"{BNB_OPS}.{function} is gone"
+        named = [n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "lib"]
+        if table:  # the module-level dict: table = {"adam": (lib.<fp32>, lib.<fp16>, lib.<bf16>), ...}
+            named = [e.attr for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", 0) == table
+                     for k, v in zip(n.value.keys, n.value.values) if getattr(k, "value", 0) == "adam" for e in v.elts]
+        if table and named != symbols or set(symbols) - set(named):
+            return f"{table or function} no longer holds lib.{', lib.'.join(symbols)} as we index them"
+        bound, assigns, seeds = set(), [n for n in ast.walk(fn) if isinstance(n, ast.Assign)], {"lib", table}
+        while new := {t.id for a in assigns if {n.id for n in ast.walk(a.value) if isinstance(n, ast.Name)}
+                      & (bound | seeds) for t in a.targets if isinstance(t, ast.Name)} - bound:
+            bound |= new  # locals bound, through any chain of assignments, to lib or to the kernel table
+        arities = {len(c.args) for c in ast.walk(fn) if isinstance(c, ast.Call) and (  # the kernel calls
+            isinstance(c.func, ast.Name) and c.func.id in bound
+            or isinstance(c.func, ast.Attribute) and getattr(c.func.value, "id", None) == "lib")}
+        if arities != {nargs}:
+            return f"{function} passes {sorted(arities)} arguments, we pass {nargs}"
+        from bitsandbytes import cextension
+        if not isinstance(cextension.lib, getattr(cextension, "CudaBNBNativeLibrary", ())):
+            return None  # the CPU build: no CUDA kernels to look up, the source is the check
+        import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' argument types
+        bad = [s for s in symbols if getattr(cextension.lib._lib, s, None) is None
+               or not table and len(getattr(cextension.lib._lib, s).argtypes or ()) != nargs]
+        return f"the loaded library's {bad[0]} is missing or not declared with {nargs} arguments" if bad else None
+    return probe
+
+
+def _quant_state() -> str | None:
+    """The fields fused_lora and models.memory_breakdown read; the block sizes the planner counts."""
+    import torch
+    from bitsandbytes.functional import quantize_4bit
+    _, s = quantize_4bit(torch.ones(256, 256, dtype=torch.bfloat16), quant_type="nf4", compress_statistics=True)
+    fields = ("absmax", "code", "shape", "dtype", "blocksize", "quant_type", "offset", "nested", "state2")
+    if (missing := [a for a in fields if not hasattr(s, a)]) or not all(hasattr(s.state2, a) for a in (
+            "code", "absmax", "blocksize")):
+        return f"QuantState has no {', '.join(missing) or 'state2.code/absmax/blocksize'}"
+    return None if (s.blocksize, s.state2.blocksize) == (64, 256) else "blocks are not (64, 256) as the planner counts"
+
+
+def _optimizer() -> str | None:
+    """What optimizer_step reads on bitsandbytes' AdamW (a real one), and the state keys its init_state makes."""
+    import torch
+    from bitsandbytes.optim import PagedAdamW8bit, optimizer
+    opt = PagedAdamW8bit([torch.nn.Parameter(torch.zeros(8))])
+    reads = {"initialized": opt, "optimizer_name": opt, "pid2config": opt.mng, "index2config": opt.mng,
+             "max_unorm": opt.args, "skip_zeros": opt.args}
+    if missing := [name for name, owner in reads.items() if not hasattr(owner, name)]:
+        return f"PagedAdamW8bit has no {', '.join(missing)}"
+    init = _def(ast.parse(_source(optimizer.__name__)), "Optimizer2State.init_state")
+    keys = {n.slice.value for n in ast.walk(init) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}
+    missing = {"step", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"} - keys
+    return f"init_state no longer makes {sorted(missing)}" if missing else None
+
+
+# --- the inventory: one Check per private use ---------------------------------------------------------------------
+def _check(api: str, levers: str, *probes, **at) -> Check:  # at: _at's checks of the api's own path, run first
+    probes = (_at(re.split(r"[(,: ]", api)[0], **at), *probes) if at else probes
+    return Check(api, api.split(".")[0], tuple(levers.split()), lambda: next(filter(None, (p() for p in probes)), None))
+
+
+LLAMA, PTM = "transformers.models.llama.modeling_llama", "transformers.modeling_utils.PreTrainedModel"
+TRAINER, ARGS = "transformers.trainer.Trainer", "transformers.training_args.TrainingArguments"
+GC_LAYER, TRL_UTILS = "transformers.modeling_layers.GradientCheckpointingLayer", "trl.trainer.utils"
+OPT, L4, LORA = "bitsandbytes.optim.optimizer", "bitsandbytes.nn.Linear4bit", "peft.tuners.lora.LoraLayer"
+
+CHECKS: tuple[Check, ...] = (
+    _check("torch.cuda.memory._set_allocator_settings", "expandable", params=("env",)),
+    _check("torch._C._cuda_getCurrentRawStream", "direct_dequant", lambda: _c_binding("_cuda_getCurrentRawStream")),
+    _check("torch._C._cuda_hasPrimaryContext", COURSE, lambda: _c_binding("_cuda_hasPrimaryContext")),
+    _check("torch.utils._pytree.tree_flatten, tree_unflatten", "graphs", _at("torch.utils._pytree.tree_unflatten"),
+           kind=callable),
+    _check("torch.nn.Module._parameters", "graphs",
+           _at("torch.nn.Module.register_parameter", says=("self._parameters[name] = param",))),
+    _check("torch.native_dropout, torch.ops.aten.native_dropout_backward", "fused_lora",
+           _at("torch.ops.aten.native_dropout.default._schema", text="(Tensor input, float p, bool? train)"),
+           _at("torch.ops.aten.native_dropout_backward.default._schema", text="Tensor mask, float scale)")),
+    _check("torch.cuda.CUDAGraph.capture_begin(pool, capture_error_mode), torch.cuda.default_generators", "graphs",
+           _at("torch.cuda.default_generators", kind=tuple), params=("pool", "capture_error_mode")),
+    _check("torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.cpu._is_avx512_bf16_supported, _is_amx_tile_supported",
+           COURSE, _at("torch.cpu", attrs=("_is_avx512_bf16_supported", "_is_amx_tile_supported")), kind=callable),
+    _check(f"{GC_LAYER}._gradient_checkpointing_func", "offload graphs",
+           _at(GC_LAYER, attrs=("gradient_checkpointing",)),
+           _at(f"{GC_LAYER}.__call__", says=(
+               "self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)",)),
+           _at(f"{PTM}._set_gradient_checkpointing", says=("_gradient_checkpointing_func",)),
+           lambda: None if issubclass(_resolve(f"{LLAMA}.LlamaDecoderLayer"), _resolve(GC_LAYER)) else "Llama left it"),
+    _check(f"{PTM}.gradient_checkpointing_enable(gradient_checkpointing_kwargs)", "offload graphs reentrant",
+           params=("gradient_checkpointing_kwargs",)),
+    _check(f"{LLAMA}.LlamaRMSNorm, LlamaMLP, apply_rotary_pos_emb", "kernels",
+           _at(LLAMA, attrs=("LlamaRMSNorm", "LlamaMLP", "apply_rotary_pos_emb"))),
+    _check(f"{LLAMA}.LlamaModel.forward(attention_mask, past_key_values), base_model_prefix, layers", "nomask",
+           _at(f"{LLAMA}.LlamaPreTrainedModel.base_model_prefix", value="model"),
+           _at(f"{LLAMA}.LlamaModel.__init__", says=("self.layers",)), params=("attention_mask", "past_key_values")),
+    _check(f"{ARGS}._setup_devices", COURSE, _at(f"{ARGS}.device.fget", says=("self._setup_devices",)),
+           kind=functools.cached_property),
+    _check(f"{ARGS}._n_gpu", COURSE, _at(f"{ARGS}.n_gpu.fget", says=("self._n_gpu",))),
+    _check(f"{TRAINER}._save_checkpoint(model, trial)", COURSE, first=("self", "model", "trial")),
+    _check(f"{TRAINER}.floating_point_ops(inputs)", COURSE, first=("self", "inputs")),
+    _check(f"{TRAINER}.create_optimizer", "direct_optim",
+           _at(f"{TRAINER}.create_optimizer_and_scheduler", says=("self.create_optimizer()",))),
+    _check(f"{PTM}.hf_quantizer", COURSE, _at(f"{PTM}.save_pretrained", says=("getattr(self, 'hf_quantizer', None)",))),
+    _check(f"{LORA}: lora_A, lora_B, lora_dropout, scaling, lora_variant, get_base_layer", "fused_lora",
+           lambda: None if {"lora_A", "lora_B", "scaling", "lora_dropout"} <= {*_resolve(LORA).adapter_layer_names,
+                                                                              *_resolve(LORA).other_param_names}
+           else "no longer per-adapter attributes (peft's own registries)", _at(f"{LORA}.__init__", says=(
+               "self.lora_variant",)), attrs=("get_base_layer", "active_adapters", "disable_adapters", "merged")),
+    _check("peft.tuners.lora.bnb.Linear4bit.forward(x, *args, **kwargs)", "fused_lora", params=("args", "kwargs"),
+           first=("self", "x")),
+    _check("bitsandbytes.cextension.lib._lib.cdequantize_blockwise_{bf16,fp16,fp32}_{nf4,fp4}, "
+           "cdequantize_blockwise_fp32 (7 args)", "direct_dequant", _at("bitsandbytes.cextension.lib", attrs=("_lib",)),
+           _kernels("_dequantize_4bit_impl", DEQUANT_4BIT, 7),
+           _kernels("_dequantize_blockwise_impl", ["cdequantize_blockwise_fp32"], 7)),
+    _check(f"{BNB_OPS}.str2optimizer8bit_blockwise['adam'] (19 args), str2optimizer32bit['adam'] (18 args)",
+           "direct_optim", _kernels("_optimizer_update_8bit_blockwise_impl", ADAM_8BIT, 19,
+                                    "str2optimizer8bit_blockwise"),
+           _kernels("_optimizer_update_32bit_impl", ADAM_32BIT, 18, "str2optimizer32bit")),
+    _check(f"{OPT}.Optimizer2State: optimizer.state keys, mng.pid2config, mng.index2config, args.max_unorm, "
+           "args.skip_zeros, initialized; paged only from 1e5 values (state1.is_paged)", "direct_optim", _optimizer,
+           _at(f"{OPT}.Optimizer2State.update_step", says=("state['step'] += 1",)),
+           _at(f"{OPT}.Optimizer8bit.get_state_buffer", says=("p.numel() < 1e5",)),
+           _at("bitsandbytes.functional.get_paged", says=("out.is_paged = True",))),
+    _check(f"{OPT}.Optimizer2State(min_8bit_size=4096), 256-value blocks", COURSE,
+           _at(f"{OPT}.Optimizer2State.init_state", says=("blocksize = 256",)), lambda: None if inspect.signature(
+               _resolve(f"{OPT}.Optimizer2State")).parameters["min_8bit_size"].default == 4096 else "not 4096"),
+    _check("bitsandbytes.functional.QuantState: absmax, code, offset, state2, nested, blocks of 64 and 256",
+           "fused_lora direct_dequant course", _quant_state),
+    _check(f"{L4}.forward(x), Params4bit.quant_state, QuantState.packing_format_for_cpu", "fused_lora",
+           _at("bitsandbytes.nn.Params4bit.__new__", says=("self.quant_state = quant_state",)),
+           _at("bitsandbytes.functional._convert_weight_packed_for_cpu",
+               says=("quant_state.packing_format_for_cpu = True",)), first=("self", "x")),
+    _check(f"{L4}.support_avx512bf16_for_cpu", COURSE,
+           _at(f"{L4}.__init__", says=("self.support_avx512bf16_for_cpu",))),
+    _check("bitsandbytes.backends.cpu.ops.logger.name", COURSE, value="bitsandbytes.backends.cpu.ops"),
+    _check(f"{TRL_UTILS}.add_fused_lm_head(model, outputs), model(..., fused_lm_head=True)", COURSE,
+           _in_source(TRL_UTILS, "add_fused_lm_head._fused_forward", params=("fused_lm_head",)),
+           _at(f"{TRL_UTILS}.FusedCausalLMOutput", attrs=("log_probs", "entropy", "is_top1")),
+           params=("outputs",), first=("model",)),
+    _check(f"trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, {TRL_UTILS}._CHUNKED_LOGPROB_CHUNK_SIZE", COURSE,
+           _at("trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE", kind=int, value=4096),  # the planner's tiles
+           _at(f"{TRL_UTILS}._CHUNKED_LOGPROB_CHUNK_SIZE", kind=int, value=32768)),
+    _check("liger_kernel.ops.LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place, row_mode)",
+           "kernels", _in_source("liger_kernel.ops.rms_norm", "LigerRMSNormFunction.forward",
+                                 ("ctx", "X", "W", "eps", "offset", "casting_mode", "in_place", "row_mode"))),
+    _check("liger_kernel.ops.LigerSiLUMulFunction.apply(a, b, gate_multiplier, down_multiplier)", "kernels",
+           _in_source("liger_kernel.ops.swiglu", "LigerSiLUMulFunction.forward",
+                      ("ctx", "a", "b", "gate_multiplier", "down_multiplier"))),
+    _check("liger_kernel.transformers.apply_liger_kernel_to_llama(rope, rms_norm, swiglu, ..., model)", "kernels",
+           _in_source("liger_kernel.transformers.monkey_patch", "apply_liger_kernel_to_llama", params=(
+               "rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "model"))),
+    _check("gguf.get_tensor_name_map, TensorNameMap.get_name(try_suffixes), quants.quantize, SpecialVocab(n_vocab)"
+           ".add_to_gguf(quiet), GGUFWriter.add_tensor(raw_dtype), ReaderField.contents", COURSE,
+           _at("gguf.TensorNameMap.get_name", params=("try_suffixes",)), _at("gguf.quants.quantize", first=("data",)),
+           _at("gguf.SpecialVocab.__init__", params=("n_vocab",)), _at("gguf.GGUFWriter.add_tensor", params=(
+               "raw_dtype",)), _at("gguf.SpecialVocab.add_to_gguf", params=("quiet",)),
+           _at("gguf.gguf_reader.ReaderField.contents"), kind=callable),
+)
+
+
+# --- running the checks -------------------------------------------------------------------------------------------
+def _absent(check: Check) -> bool:
+    return check.library in OPTIONAL and importlib.util.find_spec(check.library) is None
+
+
+def run_checks(levers=None) -> list[tuple[Check, str | None]]:
+    """Each check (of `levers` only) with None or why it failed; an absent optional library's lever is off anyway."""
+    results = []
+    for check in (c for c in CHECKS if levers is None or set(c.levers) & set(levers)):
+        try:
+            reason = None if _absent(check) else check.probe()
+        except Exception as e:  # noqa: BLE001 - whatever a moved API raises is the reason
+            reason = f"{type(e).__name__}: {str(e)[:160]}"
+        results.append((check, reason))
+    return results
+
+
+def failed(levers=None) -> dict[str, str]:
+    """lever -> "API: reason" for each lever with a failed check."""
+    out: dict[str, str] = {}
+    for check, reason in run_checks(levers):
+        for lever in (x for x in check.levers if reason and (levers is None or x in levers)):
+            out[lever] = "; ".join(filter(None, (out.get(lever), f"{check.api}: {reason}")))
+    return out
+
+
+def version(library: str) -> str:
+    try:
+        return metadata.version(DISTRIBUTIONS.get(library, library))
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def fallback_note(lever: str, api: str, reason: str | None = None) -> str:
+    """The one line said at run time when a lever falls back; `api` may be failed()'s "API: reason" alone."""
+    api, reason = (api, reason) if reason is not None else api.split(": ", 1)
+    library = next((c.library for c in CHECKS if c.api == api), api.split(".")[0])
+    return (f"[fast] {lever} off: {api} changed in {DISTRIBUTIONS.get(library, library)} {version(library)} "
+            f"({reason}); using the stock layers")
+
+
+def report_lines() -> list[str]:
+    return [f"{'absent' if _absent(c) else 'FAIL' if r else 'ok':<6} {c.api} ({c.library} {version(c.library)}; "
+            f"levers {', '.join(c.levers)})" + (f": {r}" if r else "") for c, r in run_checks()]
+
+
+def check_all_or_raise() -> None:
+    """For CI: RuntimeError naming every private API that no longer looks as we use it."""
+    if bad := [line for line in report_lines() if line.startswith("FAIL")]:
+        raise RuntimeError("private APIs changed:\n" + "\n".join(bad))
+
+
+# --- accessors: the risky calls themselves, so call sites go through here ----------------------------------------
+def use_expandable_segments() -> bool:
+    """PyTorch's allocator grows segments in place instead of caching blocks of every size it met (Linux CUDA; a
+    PYTORCH_CUDA_ALLOC_CONF that names it wins). Whether they are on."""
+    import torch
+    setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    if not torch.cuda.is_available() or sys.platform != "linux":
+        return False
+    if "expandable_segments" in setting:
+        return "expandable_segments:true" in setting
+    try:
+        with warnings.catch_warnings():  # torch 2.11+ names a newer private spelling; this one is the one measured
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except Exception as e:  # noqa: BLE001 - its check passed but the call failed here: train as before
+        print(fallback_note("expandable", "torch.cuda.memory._set_allocator_settings", str(e)[:120]), flush=True)
+        return False
+    return True
+
+
+def dequantize_kernels():
+    """(absmax kernel, {(dtype, quant type): weight kernel}, raw stream getter), typed as bitsandbytes types them."""
+    if why := failed(["direct_dequant"]):
+        raise RuntimeError(fallback_note("direct_dequant", why["direct_dequant"]))
+    import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' ctypes argument types
+    import torch
+    from bitsandbytes.cextension import lib
+    weights = {(getattr(torch, dtype), quant): getattr(lib._lib, f"cdequantize_blockwise_{name}_{quant}")
+               for dtype, name in (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")) for quant in QUANTS}
+    return lib._lib.cdequantize_blockwise_fp32, weights, torch._C._cuda_getCurrentRawStream
+
+
+def adam_kernels() -> tuple[dict, dict]:
+    """({grad dtype: 8-bit blockwise AdamW kernel}, {grad dtype: 32-bit one}), as bitsandbytes indexes them."""
+    if why := failed(["direct_optim"]):
+        raise RuntimeError(fallback_note("direct_optim", why["direct_optim"]))
+    import torch
+    from bitsandbytes.backends.cuda import ops
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)  # ADAM_8BIT's order, checked above
+    return dict(zip(dtypes, ops.str2optimizer8bit_blockwise["adam"])), dict(zip(dtypes, ops.str2optimizer32bit["adam"]))
+
+
+def add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1")) -> None:
+    """TRL's chunked log-prob head, the loss SFTTrainer trains through: model(..., fused_lm_head=True)."""
+    from trl.trainer.utils import add_fused_lm_head as add
+    add(model, outputs=outputs)
+
+
+def logprob_tiles() -> tuple[int, int]:
+    """(tokens, vocabulary) of one tile of TRL's chunked log-prob kernel, which the planner's loss term models."""
+    from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+    return TOKEN_CHUNK_SIZE, _CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def set_trainer_device(trainer, device) -> None:
+    """TrainingArguments.device reads the cached property _setup_devices: once computed, only its cache changes it."""
+    trainer.args.__dict__["_setup_devices"] = device
+
+
+def checkpointed_layers(model) -> list:
+    """The layers transformers checkpoints; each calls its _gradient_checkpointing_func (set_checkpoint_function)."""
+    return [m for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+
+
+def set_checkpoint_function(layer, function) -> None:
+    layer._gradient_checkpointing_func = function

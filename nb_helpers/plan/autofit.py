@@ -1,0 +1,153 @@
+"""Auto-fit: the micro-batch x accumulation, checkpointing, offload and CUDA graphs that fit the budget, keeping the
+effective batch. The planner ranks the candidates from config.json alone (nb_helpers.plan.choose); each choice is
+then confirmed by one real forward and backward at full length on the GPU, stepping down on out-of-memory.
+Settings set by hand skip it; keep_graphs_within_budget then only drops CUDA graphs a budget cannot hold.
+"""
+
+from __future__ import annotations
+
+import gc
+
+from nb_helpers import distributed, fast
+from nb_helpers.config import RunConfig
+from nb_helpers.data import longest_row_tokens
+
+
+def fit_to_budget(run, verbose: bool = True) -> None:
+    """Auto-fit for this process's share of the global batch. With several processes rank 0 alone tries the
+    candidates on its GPU and every process takes its choice, so all run the same micro-batch x accumulation."""
+    from nb_helpers.plan.planner import plan_for_config
+
+    # Short rows (the shipped data: ~110 tokens) never fill max_length: fit for what training will really run
+    seq = min(run.cfg.max_length, longest_row_tokens(run.train_rows, run.tokenizer))
+    if verbose and seq < run.cfg.max_length:
+        print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
+    if fast.pad_multiple(run.model):  # batches are padded to a multiple of 64 tokens: fit for that length
+        seq = fast.padded_length(seq)
+    context = run.summary.get("cuda_context_gib")
+    fitted = error = None
+    if distributed.is_main():
+        try:
+            fitted = run_auto_fit(run.cfg, run.model, run.tokenizer, run.shape, context, verbose, seq=seq)
+        except Exception as e:  # noqa: BLE001 - the other processes must hear of it, not wait for a choice
+            error, fitted = e, f"{type(e).__name__}: {e}"
+    fitted = distributed.broadcast(fitted)
+    if error is not None:
+        raise error
+    if isinstance(fitted, str):
+        raise RuntimeError(f"auto-fit failed on rank 0 ({fitted})")
+    if not fitted.gradient_checkpointing:
+        run.model.gradient_checkpointing_disable()
+    run.cfg = fitted
+    run.prediction = plan_for_config(run.cfg.replace(max_length=seq), run.shape, context_gib=context)
+
+def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True,
+                 seq: int | None = None) -> RunConfig:
+    """Choose micro-batch x accumulation and GC for cfg.budget_gib (or the whole GPU), keeping the effective batch;
+    each choice is confirmed by one forward and backward at `seq` tokens (the longest training row, at most
+    max_length), stepping down on OOM. CUDA only."""
+    import torch
+
+    from nb_helpers.memory import memory_snapshot
+    from nb_helpers.plan.choose import auto_fit
+    from nb_helpers.plan.planner import plan_for_config
+
+    if shape is None:
+        raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
+                           "and grad_accum by hand instead")
+    budget = cfg.budget_gib or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    seq = min(seq or cfg.max_length, cfg.max_length)
+    base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
+    dtype = getattr(torch, base.compute_dtype)
+    vocab_top = min(tokenizer.vocab_size, shape.vocab)
+
+    def trial(option) -> float | None:
+        try:
+            trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload,
+                       option.graphs)
+            torch.cuda.synchronize()
+            return memory_snapshot()["device_used_gib"]
+        finally:
+            fast.reset_graphs()  # the trial's graphs (and their memory pool): training captures its own
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
+                      log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"))
+    if not choice.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs
+    torch.cuda.reset_peak_memory_stats()
+    return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
+                       gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
+                       cuda_graphs=choice.graphs)
+
+def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False,
+               graphs: bool = False) -> None:
+    """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
+    padded last row as real batches have; the gradients are dropped afterwards. With `graphs` the layers are
+    captured as CUDA graphs, so the measured peak includes their memory pool."""
+    import torch
+
+    model._nb_use_graphs = graphs
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=fast.checkpoint_kwargs(model))
+        fast.set_checkpoint_offload(model, offload)
+    else:
+        model.gradient_checkpointing_disable()
+    model.train()
+    device = next(p.device for p in model.parameters() if p.requires_grad)
+    ids = torch.randint(0, vocab, (batch, length), device=device)
+    mask = torch.ones_like(ids)
+    if batch > 1:  # real micro-batches are padded, which costs an attention mask: the trial pays it too
+        mask[-1, -min(16, length // 2):] = 0
+    if not getattr(model, "_nb_fused_head", False):
+        fast.add_fused_lm_head(model.get_base_model())
+        model._nb_fused_head = True
+    try:
+        with fast.out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly
+            with torch.autocast(device.type, dtype=dtype):
+                out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                            fused_lm_head=True)
+            out.loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+
+def keep_graphs_within_budget(run, verbose: bool = True) -> None:
+    """Settings chosen by hand (auto-fit weighs graphs itself): CUDA-graphed layers hold a memory pool, so where the
+    planner puts the graphed run over the budget (or the card) and the eager one under it, this run goes eager.
+    A hand-set run that left cuda_graphs unset runs eagerly (the lean path) and hears once what graphs would cost."""
+    import torch
+
+    from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
+
+    cfg = run.cfg
+    if cfg.auto_fit or not cfg.gradient_checkpointing:
+        return
+    if cfg.cuda_graphs is None:
+        if verbose:
+            say_graphs_cost(run)
+        return
+    if not cfg.cuda_graphs:
+        return
+    budget = cfg.budget_gib or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
+    chosen = graphs_dropped_unless_they_fit(run.prediction, budget)
+    if chosen is not run.prediction:
+        if verbose:
+            print(f"[plan] CUDA graphs off for this run: predicted {run.prediction.peak_gib:.2f} GiB with them, over "
+                  f"{budget:.2f} GiB less the planner's margin; {chosen.peak_gib:.2f} GiB with eager layers (slower; "
+                  "auto_fit weighs both)")
+        run.cfg, run.prediction = cfg.replace(cuda_graphs=False), chosen
+
+def say_graphs_cost(run) -> None:
+    """One line for a hand-set run on the lean path: what CUDA-graphed layers would cost it, and how to ask."""
+    from nb_helpers.plan.planner import plan_for_config
+
+    graphed = plan_for_config(run.cfg.replace(cuda_graphs=True), run.shape,
+                              context_gib=run.summary.get("cuda_context_gib"))
+    if not graphed.components.get("graphs"):  # NB_FASTPATH turned them off, or checkpoints they cannot replay
+        return
+    extra = graphed.peak_gib - run.prediction.peak_gib
+    print(f"[plan] layers run eagerly (the lean path: settings set by hand use no more memory than the recipe); "
+          f"cuda_graphs=True replays them as CUDA graphs, several times faster for {extra:.2f} GiB more "
+          f"(predicted {graphed.peak_gib:.2f} GiB), and auto_fit=True weighs both")

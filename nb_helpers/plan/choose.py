@@ -1,0 +1,135 @@
+"""Auto-fit: the fastest micro-batch x accumulation (gradient checkpointing on or off, checkpoints on the card or in
+CPU RAM, layers eager or as CUDA graphs) that the planner (nb_helpers.plan.planner) predicts to fit a budget, with the
+same effective batch; and the graphs a hand-set run drops when they do not fit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from nb_helpers.plan.architecture import Shape
+from nb_helpers.plan.planner import Plan, PlanInput, plan, plan_for_config
+
+# Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x4/3 with checkpointing, which
+# recomputes the forward pass). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps
+# an H200 about 5% busy), so fewer, larger micro-batches win first; checkpointing is dropped when it still fits.
+OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuristic; the trial run confirms fit)
+GC_COMPUTE_FACTOR = 4 / 3
+OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card
+FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
+
+
+@dataclass
+class Candidate:
+    batch: int
+    accum: int
+    gradient_checkpointing: bool
+    predicted_gib: float
+    relative_step_cost: float
+    offload: bool = False
+    graphs: bool = False
+
+    def describe(self) -> str:
+        gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
+        graphs = ", layers as CUDA graphs" if self.graphs and self.gradient_checkpointing else ""
+        return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc}{graphs} "
+                f"(predicted {self.predicted_gib:.2f} GiB)")
+
+
+def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
+               margin: float = FIT_MARGIN, offload_allowed: bool = True) -> list[Candidate]:
+    """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
+    RAM (where `offload_allowed`), each checkpointed one also as CUDA graphs (with `base.graphs`), predicted to fit
+    the budget (less the margin), best expected throughput first: fewer micro-steps first (each costs the host a
+    fixed overhead), then graphed before eager (a graphed layer costs the host one launch where an eager one costs
+    hundreds: 2x at 8 x 512 on an H200, bench/NOTES.md), then the compute each needs."""
+    modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
+    modes = [(gc, offload, False) for gc, offload in modes] + \
+        ([(True, offload, True) for gc, offload in modes if gc] if base.graphs else [])
+    out = []
+    for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
+        for gc, offload, graphs in modes:
+            inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
+                               "gradient_checkpointing": gc, "offload": offload, "graphs": graphs})
+            predicted = plan(shape, inp).peak_gib
+            if predicted > budget_gib * (1 - margin):
+                continue
+            factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
+            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
+            out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
+    return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
+
+
+def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
+             margin: float = FIT_MARGIN, offload_allowed: bool = True) -> Candidate:
+    """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch.
+
+    `trial(candidate)` runs one forward and backward at full length and returns the peak GiB it measured, or
+    raises torch.OutOfMemoryError (any exception named *OutOfMemoryError); then the next candidate is tried and
+    the step down is reported. Without a trial the prediction alone decides."""
+    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed)
+    if not options:
+        smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
+                                            "gradient_checkpointing": True, "offload": offload_allowed,
+                                            "graphs": False}))
+        raise MemoryError(f"nothing fits {budget_gib:.2f} GiB: even micro-batch 1 with gradient checkpointing is "
+                          f"predicted at {smallest.peak_gib:.2f} GiB ({smallest.peak_phase}). Lower max_length "
+                          f"(now {base.seq}), the LoRA rank or targets, or pick a smaller model")
+    for number, option in enumerate(options):
+        if trial is None:
+            log(f"[auto-fit] chose {option.describe()} for effective batch {effective_batch} in {budget_gib:.2f} GiB")
+            return option
+        try:
+            measured = trial(option)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory errors step down
+            if "OutOfMemoryError" not in type(e).__name__:
+                raise
+            following = options[number + 1].describe() if number + 1 < len(options) else "nothing left"
+            log(f"[auto-fit] {option.describe()} ran out of memory in the trial step; stepping down to {following}")
+            continue
+        if measured is not None and measured > budget_gib:
+            log(f"[auto-fit] {option.describe()} measured {measured:.2f} GiB in the trial step, over the budget; "
+                "stepping down")
+            continue
+        log(f"[auto-fit] chose {option.describe()}" + (f", trial step measured {measured:.2f} GiB" if measured else "")
+            + f"; effective batch stays {effective_batch}")
+        return option
+    raise MemoryError(f"every candidate ran out of memory in its trial step within {budget_gib:.2f} GiB; lower "
+                      f"max_length (now {base.seq}) or the LoRA rank")
+
+
+def graphs_dropped_unless_they_fit(planned: Plan, budget_gib: float, margin: float = FIT_MARGIN) -> Plan:
+    """What a run with hand-set knobs uses: its graphed plan where that fits the budget (less the margin), else the
+    same run with eager layers (graphs hold a memory pool; training.keep_graphs_within_budget switches them off)."""
+    if planned.components.get("graphs") and planned.peak_gib > budget_gib * (1 - margin):
+        eager = PlanInput(**{**asdict(planned.inputs), "graphs": False})
+        return plan(planned.shape, eager, budget_gib=planned.budget_gib)
+    return planned
+
+
+def oom_advice(cfg, step: int | None, shape=None) -> str:
+    """Which knob to turn, and by how much; with the model's shape, each change comes with the planner's peak."""
+    changes = []
+    if cfg.micro_batch_size > 1:
+        changes.append((f"micro_batch_size {cfg.micro_batch_size} -> {cfg.micro_batch_size // 2} with grad_accum "
+                        f"{cfg.grad_accum} -> {cfg.grad_accum * 2} (same effective batch)",
+                        dict(micro_batch_size=cfg.micro_batch_size // 2, grad_accum=cfg.grad_accum * 2)))
+    if not cfg.gradient_checkpointing:
+        changes.append(("gradient_checkpointing=True (activations recomputed instead of stored)",
+                        dict(gradient_checkpointing=True)))
+    changes.append((f"max_length {cfg.max_length} -> {max(64, cfg.max_length // 2)}",
+                    dict(max_length=max(64, cfg.max_length // 2))))
+    tips = []
+    now = None
+    for text, change in changes:
+        if shape is not None:
+            try:
+                now = now or plan_for_config(cfg, shape)
+                after = plan_for_config(cfg.replace(**change), shape)
+                text += f" [planner: {now.peak_gib:.2f} -> {after.peak_gib:.2f} GiB]"
+            except Exception:  # noqa: BLE001 - advice without numbers beats no advice
+                pass
+        tips.append(text)
+    fit = " `python -m nb_helpers plan` checks a config before loading anything; auto_fit=True picks one that fits." \
+        if shape is not None else ""
+    return (f"CUDA ran out of memory at step {step}. Nothing is lost: metrics.jsonl and the last checkpoint are in "
+            f"the run folder, and GPU memory has been freed. Try, in this order: " + "; ".join(tips) + "." + fit)

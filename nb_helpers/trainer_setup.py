@@ -1,0 +1,121 @@
+"""The trainer: TRL's SFTConfig from the run's config, and what the course changes on a built SFTTrainer.
+
+Notebook 03 writes `SFTConfig(...)` and `SFTTrainer(...)` out; sft_config is the same call for the command line and
+the tests (tests/test_training.py checks that the two agree). bookkeeping_args holds the arguments that are not the
+recipe: where checkpoints go, logging, evaluation, CPU or GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nb_helpers import distributed, fast
+from nb_helpers.plan.dtypes import resolve_compute_dtype
+
+
+def sft_config(run):
+    """Every training knob of the config as TRL's SFTConfig. Notebook 03 writes this call out, with what to try
+    for each knob; tests/test_training.py checks that the two agree."""
+    from trl import SFTConfig
+
+    cfg, dtype = run.cfg, resolve_compute_dtype(run.cfg.compute_dtype)
+    args = SFTConfig(
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.learning_rate,
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        optim=cfg.optim,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps,
+        max_length=cfg.max_length,
+        packing=False,
+        completion_only_loss=cfg.completion_only_loss and not run.text_rows,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        seed=cfg.seed,
+        **bookkeeping_args(run),
+    )
+    distributed.one_gpu_per_process(args)  # one process, several GPUs visible: train on one (SFTTrainer refuses more)
+    return args
+
+def bookkeeping_args(run) -> dict:
+    """SFTConfig's arguments that are not the recipe: where checkpoints go, logging, when to evaluate, CPU or GPU."""
+    import torch
+
+    cfg, cuda = run.cfg, torch.cuda.is_available()
+    return dict(
+        output_dir=str(Path(run.run_dir or ".") / "checkpoints"),
+        per_device_eval_batch_size=cfg.micro_batch_size,
+        gradient_checkpointing_kwargs=fast.checkpoint_kwargs(run.model),
+        logging_steps=cfg.logging_steps,
+        logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
+        save_strategy="steps",
+        save_steps=cfg.save_steps,
+        save_total_limit=2,
+        eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
+        eval_steps=cfg.eval_steps or None,
+        include_num_input_tokens_seen="non_padding",
+        # lengths padded to a multiple of 64 make a few shapes: CUDA-graphed layers replay one graph per shape, and
+        # cuDNN's attention builds its plans once per shape (eager layers on CUDA)
+        pad_to_multiple_of=fast.pad_multiple(run.model),
+        report_to="none",
+        data_seed=cfg.seed,
+        use_cpu=not cuda,
+        dataloader_pin_memory=cuda,
+        disable_tqdm=True,
+        # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
+        # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.
+        ddp_find_unused_parameters=False if run.world_size > 1 else None,
+        # nor broadcast the model's buffers from rank 0 before every forward: each process computes them from the
+        # config and its own batch (RoPE's inv_freq, Gemma's embed_scale), nothing is learned
+        ddp_broadcast_buffers=False if run.world_size > 1 else None,
+    )
+
+def adapt_trainer(run, trainer) -> None:
+    """What the course changes on a built trainer: one progress line instead of raw log dicts, the fast path's
+    collator check and optimizer step, and fp32 adapters where the precision needs them."""
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them
+    device = trainer.args.device
+    if run.world_size > 1 and device.type == "cpu" and device.index is not None:
+        # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the
+        # map_location of a resumed run's optimizer state; "cpu" is the same memory.
+        fast.set_trainer_device(trainer, type(device)("cpu"))
+    trainer.floating_point_ops = flops_counter(run.model)
+    fast.adapt_trainer(trainer, run.model)
+    if resolve_compute_dtype(run.cfg.compute_dtype) != "bfloat16":
+        # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
+        # gradients, so fp16 runs (Turing: GTX 1650, T4) crashed at the first step; they need fp32 master weights.
+        # The optimizer is created in trainer.train(), so it sees the fp32 parameters.
+        for param in run.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+
+
+def flops_counter(model):
+    """Trainer.floating_point_ops (6 x input tokens x parameters without embeddings, transformers 5's estimate) with
+    the parameters counted once: the Trainer counts them again at every step, a walk over every module (host time on
+    a fast GPU)."""
+    if not hasattr(model, "num_parameters"):
+        return lambda inputs: 0
+    main_input, params = getattr(model, "main_input_name", "input_ids"), model.num_parameters(exclude_embeddings=True)
+    return lambda inputs: 6 * inputs[main_input].numel() * params if main_input in inputs else 0
+
+def progress_printer(total_steps: int, every: int):
+    """One readable line every `every` steps (and eval results) for terminals and notebook logs."""
+
+    def show(record: dict) -> None:
+        if "eval_loss" in record:
+            print(f"[eval] step {record['step']}: eval loss {record['eval_loss']:.4f}", flush=True)
+        elif record["step"] % every == 0 or record["step"] in (1, total_steps):
+            memory = record.get("device_used_gib") or record.get("host_rss_gib")
+            where = "device" if record.get("device_used_gib") is not None else "host RSS"
+            print(f"[train] step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
+                  f"{record['step_s']:.2f} s/step | {record['tokens_per_s'] or 0:.0f} tok/s | "
+                  f"{where} {memory:.2f} GiB", flush=True)
+
+    return show
