@@ -267,7 +267,7 @@ def busy_share(prof, wall_s: float) -> dict:
 def reference_worker(spec: dict) -> dict:
     """The recipe as written, on the plain stack: nothing from nb_helpers touches the model or the trainer; only
     the budget cap and the measurement (the same as ours) come from it."""
-    from nb_helpers.memory import memory_snapshot, record_nvml_baseline
+    from nb_helpers.plan.memory import memory_snapshot, record_nvml_baseline
 
     record_nvml_baseline(0)
     from nb_helpers.plan.budget import enforce_budget

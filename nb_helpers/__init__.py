@@ -9,14 +9,7 @@ import logging
 
 __version__ = "0.1.0"
 
-
-class _DropHubKernelHint(logging.Filter):
-    """bitsandbytes on AVX512-BF16 CPUs suggests `pip install kernels`, which would fetch an inference-only
-    kernel from the Hugging Face Hub. Training does not use it (see models.keep_cpu_weights_trainable), so the
-    hint only confuses; every other bitsandbytes message still shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "kernels-community" not in record.getMessage()
-
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropHubKernelHint())
+# bitsandbytes on AVX512-BF16 CPUs suggests `pip install kernels`, which would fetch an inference-only kernel from the
+# Hugging Face Hub. Training does not use it (models.keep_cpu_weights_trainable), so the hint only confuses; every
+# other bitsandbytes message still shows.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: "kernels-community" not in record.getMessage())

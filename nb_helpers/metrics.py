@@ -1,5 +1,5 @@
 """Per-step metrics: one JSON line per optimizer step, flushed as it is written, so a crash loses nothing.
-Each line carries the step's memory as nb_helpers.memory measures it (PyTorch's allocator and NVML's device used).
+Each line carries the step's memory as nb_helpers.plan.memory measures it (PyTorch's allocator and NVML's device used).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from nb_helpers.memory import memory_snapshot
+from nb_helpers.plan.memory import memory_snapshot
 
 
 def _sync() -> None:

@@ -29,7 +29,7 @@ from nb_helpers.data import load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.lora import attach_lora, parameter_counts
-from nb_helpers.memory import record_nvml_baseline
+from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
 from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_model
 from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, disk_advice, is_disk_full, keep_good_adapter,

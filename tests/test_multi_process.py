@@ -259,7 +259,7 @@ def test_resume_on_two_processes(launched):
 
 def test_nvml_measures_the_gpu_this_process_trains_on(monkeypatch):
     """Each process measures its own GPU: CUDA numbers the visible GPUs, NVML all of them."""
-    from nb_helpers.memory import _nvml_handle
+    from nb_helpers.plan.memory import _nvml_handle
 
     fake = SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
                            nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u))

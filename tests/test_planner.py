@@ -298,7 +298,8 @@ def test_oom_guard_frees_the_gpu_and_names_the_knob(tiny_cfg):
 
     cfg = tiny_cfg.replace(micro_batch_size=64, max_length=512, gradient_checkpointing=False, max_train_samples=64,
                            task_eval_samples=0, eval_file=None)
-    from nb_helpers import memory, metrics
+    from nb_helpers import metrics
+    from nb_helpers.plan import memory
 
     # What enforce_budget will count as the context in this process: a fresh process's context plus whatever earlier
     # tests left outside the allocator (loaded kernels, paged buffers); 0.76 GiB after the fast-path tests, where a

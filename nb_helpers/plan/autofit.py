@@ -48,7 +48,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     max_length), stepping down on OOM. CUDA only."""
     import torch
 
-    from nb_helpers.memory import memory_snapshot
+    from nb_helpers.plan.memory import memory_snapshot
     from nb_helpers.plan.choose import auto_fit
     from nb_helpers.plan.planner import plan_for_config
 

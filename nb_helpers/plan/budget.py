@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nb_helpers.memory import outside_allocator_gib, record_nvml_baseline
+from nb_helpers.plan.memory import outside_allocator_gib, record_nvml_baseline
 
 
 @dataclass

@@ -284,7 +284,7 @@ def default_context_gib(device: int = 0) -> float:
         if not torch.cuda.is_available():
             return CONSUMER_CONTEXT_GIB
         if device not in _CONTEXT_CACHE:
-            from nb_helpers.memory import measure_context_bytes
+            from nb_helpers.plan.memory import measure_context_bytes
 
             _CONTEXT_CACHE[device] = measure_context_bytes(device) / GIB
         return _CONTEXT_CACHE[device]
