@@ -41,8 +41,12 @@ test-unit: $(TEST_STAMP)
 test-browser: $(TEST_STAMP)
 	$(PY) -m pytest tests/browser -v
 
+# On a scratch copy whose outputs nbmake keeps (--overwrite), so tests/notebook_outputs.py can refuse stderr in any cell
+EXECUTED := runs/ci/executed
 test-notebooks: setup
-	NB_CI=1 $(PY) -m pytest --nbmake --nbmake-timeout=1800 notebooks
+	rm -rf $(EXECUTED) && mkdir -p $(EXECUTED) && cp notebooks/*.ipynb $(EXECUTED)/
+	NB_CI=1 $(PY) -m pytest --nbmake --nbmake-timeout=1800 --overwrite -p no:cacheprovider $(EXECUTED)
+	$(PY) tests/notebook_outputs.py $(EXECUTED)
 
 # Containers and WSL often run as root, which JupyterLab refuses without --allow-root.
 lab: setup

@@ -69,7 +69,8 @@ class Run:
     @property
     def label(self) -> str:
         c = self.config
-        return f"{self.name} (r={c.get('lora_r')}, {c.get('micro_batch_size')}x{c.get('grad_accum')})"
+        return (f"{self.name} (r={c.get('lora_r')}, alpha={c.get('lora_alpha')}, "
+                f"{c.get('micro_batch_size')}x{c.get('grad_accum')})")
 
 
 def load_run(path: str | Path) -> Run:

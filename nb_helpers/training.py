@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nb_helpers import distributed, fast
 from nb_helpers.plan.autofit import fit_to_budget, keep_graphs_within_budget
-from nb_helpers.config import RunConfig
+from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.data import load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
 from nb_helpers.plan.dtypes import resolve_compute_dtype
@@ -61,6 +61,7 @@ class TrainingRun:
     last_good: LastGoodAdapter | None = None
     base_answers: dict | None = None
     oom_step: int | None = None
+    finished: bool = False  # finish_run ran: training this run again would append to a finished run folder
     world_size: int = 1  # processes training together (accelerate launch); cfg's batch is each one's share
 
     @property
@@ -97,6 +98,10 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
         if checkpoint is None:
             raise RuntimeError(f"{resume_dir} has no checkpoint to resume from (checkpoints/ is empty); "
                                "start a new run instead")
+        if read_json(resume_dir / "summary.json").get("status") == "completed":
+            raise ConfigError(f"{resume_dir} completed its training: there is nothing to resume (its adapter and "
+                              "summary would be rewritten). Set RESUME = None (or leave out --resume) to start a "
+                              "new run")
     cfg.validate()
     world = distributed.world_size()
     if checkpoint is not None and verbose:
@@ -240,7 +245,7 @@ def build_trainer(run: TrainingRun):
     return trainer
 
 
-def evaluate_before(run: TrainingRun, trainer) -> dict:
+def evaluate_before(run: TrainingRun, trainer, verbose: bool = True) -> dict:
     """The base model's task score and eval loss: the adapter starts with B = 0, so the model right now answers
     exactly like the base model. A resumed run keeps the numbers its first start measured. With several processes
     rank 0 alone scores the task; the eval loss is computed by all of them, each on its share of the rows."""
@@ -251,6 +256,8 @@ def evaluate_before(run: TrainingRun, trainer) -> dict:
             run.summary.update(task_metric=run.base_answers["metric"], task_base=run.base_answers["score"])
         distributed.wait()
         if run.eval_rows:
+            if verbose:
+                print(f"[eval] measuring the base model's eval loss on {len(run.eval_rows)} held-out rows", flush=True)
             run.summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     return {k: run.summary.get(k) for k in BEFORE_TRAINING_KEYS}
 
@@ -262,6 +269,10 @@ def guard_training(run: TrainingRun, trainer):
     activations) is gone; a full disk writes the summary and says what to free. Other errors pass through."""
     import torch
 
+    if run.finished:
+        raise RuntimeError(f"this run is finished ({run.run_dir}): training it again would append to it. To train "
+                           "with the sliders' current settings, re-run the notebook from \"Check first, then load\" "
+                           "(section 4): that starts a new run folder")
     try:
         yield
     except KeyboardInterrupt:
@@ -282,8 +293,12 @@ def finish_run(run: TrainingRun, trainer, verbose: bool = True) -> Path:
     """After trainer.train(): report an out-of-memory stop, keep the last good adapter after a NaN, save adapter/,
     measure the tuned model, and write summary.json and training.png. Returns the run folder. With several
     processes rank 0 writes; every process returns once the folder is complete."""
+    if run.finished:
+        return run.run_dir  # already finished (a re-run cell): nothing to save again
     if run.oom_step is not None:
+        run.finished = True
         stop_after_oom(run, trainer)
+    run.finished = True
     keep_good_adapter(run)
     if run.summary.get("status", "completed") == "completed":
         evaluate_after(run, trainer)
@@ -345,7 +360,7 @@ def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str |
     load_for_training(run, verbose)
     open_run_folder(run, listeners, verbose)
     trainer = build_trainer(run)
-    evaluate_before(run, trainer)
+    evaluate_before(run, trainer, verbose)
     with guard_training(run, trainer):
         trainer.train(resume_from_checkpoint=run.checkpoint)
     return finish_run(run, trainer, verbose)

@@ -15,7 +15,7 @@ NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
 def test_the_course_is_complete_and_ordered():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["00_environment_check.ipynb", "01_load_4bit.ipynb", "02_attach_lora.ipynb", "03_train.ipynb",
-                     "04_metrics_analysis.ipynb", "05_try_the_model.ipynb"]
+                     "04_metrics_analysis.ipynb", "05_try_the_model.ipynb", "06_going_faster.ipynb"]
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", n) for n in names)
 
 

@@ -26,7 +26,8 @@ from nb_helpers.frontend import say_once
 __all__ = ["ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for", "before_lora",
            "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments", "checkpoint_kwargs",
            "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
-           "reset_graphs", "add_fused_lm_head", "set_trainer_device"]
+           "reset_graphs", "add_fused_lm_head", "set_trainer_device",
+           "lever_table"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -122,6 +123,27 @@ def levers_line(model, cfg, ran: dict | None = None) -> str:
     on = [k for k, v in ran.items() if v]
     off = [k for k, v in ran.items() if not v]
     return f"[fast] levers on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'} (NB_FASTPATH=lever=0|1)"
+
+
+def lever_table(cfg) -> str:
+    """Markdown: each lever, whether it runs on this machine with `cfg`, what it changes, what it gave where measured
+    (fast.options.LEVERS), and how to turn it off. Notebook 03 shows it before anything loads."""
+    import torch
+
+    from nb_helpers.fast.options import LEVERS
+
+    fast = options_for(cfg)
+    where = "no CUDA GPU here" if not torch.cuda.is_available() else "fast_path=False" if not cfg.fast_path else ""
+    rows = ["| lever | runs here | what it changes | measured alone (H200, 4 GiB budget, TinyLlama-1.1B shape) |",
+            "|---|---|---|---|"]
+    for name, (what, measured) in LEVERS.items():
+        on = getattr(fast, name) and not where
+        runs = "yes" if on else f"no ({where or 'off'})"
+        if name in ("graphs", "offload") and on:
+            runs = "where auto-fit or your settings choose it"
+        rows.append(f"| `{name}` | {runs} | {what} | {measured} |")
+    return "\n".join(rows) + ("\n\nTurn one off with `NB_FASTPATH=\"lever=0\"` before the kernel starts, or all of "
+                              "them with `fast_path=False`.")
 
 
 def use_expandable_segments(fast: FastOptions) -> bool | None:

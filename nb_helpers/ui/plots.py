@@ -50,9 +50,12 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
-    if len(runs) > 1 and legend:
-        fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=min(3, len(legend)), fontsize=8)
-    fig.tight_layout(rect=(0, 0.08 if len(runs) > 1 else 0, 1, 1))
+    rows = 0
+    if len(runs) > 1 and legend:  # one label a row once they are long (run names with their knobs): none cut off
+        columns = 1 if max(map(len, legend)) > 40 else min(3, len(legend))
+        rows = -(-len(legend) // columns)
+        fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=columns, fontsize=8)
+    fig.tight_layout(rect=(0, 0.035 * rows + (0.02 if rows else 0), 1, 1))
     points = {name: [r["step"] for r in records if r.get("loss") is not None] for name, records in runs.items()}
     fig.alt = ("training panels against the optimizer step (" + ", ".join(ax.get_title() for ax in axes.flat)
                + "); " + ("legend: " + ", ".join(t.get_text() for t in fig.legends[0].get_texts())

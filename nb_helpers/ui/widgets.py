@@ -7,6 +7,7 @@ import functools
 import html
 
 from nb_helpers.config import COURSE_CARD_GIB, ConfigError, RunConfig
+from nb_helpers.plan.planner import plan_for_config
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -62,6 +63,8 @@ class _Binding:
         self.alpha_follows = cfg.lora_alpha == RECIPE_ALPHA_PER_RANK * cfg.lora_r
         self.syncing = False
         self.controls: dict[str, object] = {}
+        self.loaded: dict | None = None  # the choices when a run was loaded from them, and what that run trains
+        self.trains, self.reload_where = None, ""
 
     def refresh(self) -> None:
         cfg = self.cfg
@@ -69,7 +72,19 @@ class _Binding:
         self.status.value = (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = "
                              f"{cfg.effective_batch} sequences per optimizer step &nbsp;|&nbsp; <b>alpha/r</b> = "
                              f"{cfg.lora_alpha}/{cfg.lora_r} = {cfg.lora_alpha / cfg.lora_r:g}{follows}<br>"
-                             f"{html.escape(cfg.summary_line())}")
+                             f"{html.escape(cfg.summary_line())}" + self.after_loading())
+
+    def after_loading(self) -> str:
+        """Once a run is loaded: what it trains, and which moves since then it does not train (a note, in orange)."""
+        if self.loaded is None:
+            return ""
+        text = f"<br><b>the loaded run trains</b>: {html.escape(self.trains.summary_line())}"
+        moved = {k: (v, getattr(self.cfg, k)) for k, v in self.loaded.items() if getattr(self.cfg, k) != v}
+        if moved:
+            change = ", ".join(f"{k} {old} &rarr; {new}" for k, (old, new) in moved.items())
+            text += (f"<div style='color:{MOVED_COLOR}'><b>&#9888; moved after loading</b> ({change}): the loaded run "
+                     f"does not train this. Re-run {html.escape(self.reload_where)} to start a new run with it.</div>")
+        return text
 
     def apply(self, changes: dict) -> None:
         cfg = self.cfg
@@ -153,7 +168,9 @@ def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error
     for name, control in binding.controls.items():
         control.observe(lambda change, name=name: binding.changed(change, name), names="value")
     binding.refresh()
-    return _panel_class()(list(binding.controls.values()) + [binding.status])
+    panel = _panel_class()(list(binding.controls.values()) + [binding.status])
+    panel.binding = binding
+    return panel
 
 
 @functools.cache
@@ -162,6 +179,16 @@ def _panel_class():
 
     class ConfigPanel(w.VBox):
         """The controls and their status line; a static copy of both wherever no widget frontend runs."""
+
+        binding = None
+
+        def mark_loaded(self, trains: RunConfig, where: str) -> None:
+            """A run was just loaded from the current choices: say what it trains, and from now on flag any move
+            it will not train, naming the cell (`where`) that starts a new run with it."""
+            b = self.binding
+            b.loaded = {name: getattr(b.cfg, name) for name in b.controls}
+            b.trains, b.reload_where = trains, where
+            b.refresh()
 
         def _repr_mimebundle_(self, **kwargs):
             *controls, status = self.children
@@ -180,7 +207,7 @@ def _shown(control) -> str:
 
 
 # --- the planner's predicted peak, live -------------------------------------------------------------------------
-FITS_COLOR, OVER_COLOR = "#080", "#b00"
+FITS_COLOR, OVER_COLOR, MOVED_COLOR = "#080", "#b00", "#b60"
 
 
 class PlanView:
@@ -227,7 +254,6 @@ class PlanView:
 
     def update(self, cfg: RunConfig) -> None:
         from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
-        from nb_helpers.plan.planner import plan_for_config
 
         budget, source = self.budget_for(cfg)
         try:
@@ -243,7 +269,27 @@ class PlanView:
             return
         result.budget_gib = budget
         self.plan = result
-        self.widget.value = plan_html(result, source, self.device_note)
+        self.widget.value = self.what_trains(cfg, result, budget) + plan_html(result, source, self.device_note)
+
+    def what_trains(self, cfg: RunConfig, result, budget: float) -> str:
+        """One line over the prediction: whether these settings train as set, or what auto-fit will run instead."""
+        import torch
+
+        if not cfg.auto_fit:
+            return "<div><b>these settings train as set</b>; the prediction below is theirs</div>"
+        if not torch.cuda.is_available():
+            return "<div><b>these settings train as set</b> (auto-fit needs a CUDA GPU); the prediction is theirs</div>"
+        from nb_helpers.plan.choose import auto_fit
+
+        try:
+            fitting = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
+                                      gpu_capability=self.capability or (7, 5))
+            choice = auto_fit(self.shape, fitting.inputs, cfg.effective_batch, budget, log=lambda *_: None)
+        except MemoryError as e:
+            return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
+        return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "
+                f"effective batch {cfg.effective_batch}); the prediction below is for your settings as set, "
+                f"{result.peak_gib:.2f} GiB</div>")
 
     def set_shape(self, shape, cfg: RunConfig) -> None:
         """Plan another model (a Shape from load_shape) with the same knobs."""

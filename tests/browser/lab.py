@@ -162,6 +162,10 @@ JS_ASK = """async ([name, code]) => {  // like the console: runs in the notebook
   await future.done;
   return out.join('');
 }""" % PANEL
+JS_EDIT = """([name, index, source]) => {  // as typing into the cell would: its outputs stay until it runs again
+  const cell = (%s).content.widgets[index]; cell.model.sharedModel.setSource(source);
+}""" % PANEL
+JS_CLEAR = """([name, index]) => { (%s).content.widgets[index].model.outputs.clear(); }""" % PANEL
 JS_SAVE = """async (name) => { const panel = %s; await panel.context.save(); return panel.context.model.dirty; }
 """ % PANEL
 
@@ -247,6 +251,13 @@ class Notebook:
     def ask(self, code: str) -> str:
         """What `code` prints in the notebook's kernel, as typed into a console attached to it (no cell added)."""
         return self.page.evaluate(JS_ASK, [self.name, code])
+
+    def edit(self, index: int, source: str) -> None:
+        """Replace a cell's source, as a person editing it would."""
+        self.page.evaluate(JS_EDIT, [self.name, index, source])
+
+    def clear_outputs(self, index: int) -> None:
+        self.page.evaluate(JS_CLEAR, [self.name, index])
 
     def save(self) -> None:
         assert self.page.evaluate(JS_SAVE, self.name) is False, f"{self.name} still has unsaved changes"

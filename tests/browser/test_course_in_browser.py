@@ -238,9 +238,23 @@ def test_03_sliders_reach_the_trainer_and_the_run_folder(page, lab, project, scr
     assert nb.errors() == []
     final = outputs_text(nb, nb.index_of('saved.summary["status"]'))
     assert "completed" in final
-    nb.save()
     nb.screenshot(before, screenshots / "03_train.png")
     STATE["first_run"] = run_dir.resolve().name
+
+    # A slider moved after the run loaded: the panel says the loaded run does not train it, the run's config.json
+    # keeps what trained, and running the training cell again refuses instead of appending to the finished run.
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    move(page, rank, -1)  # 32 -> 16 (alpha, moved by hand before, stays 32)
+    expect(status_line(cell)).to_contain_text("moved after loading (lora_r 32 \u2192 16)")
+    expect(status_line(cell)).to_contain_text('Re-run section 4 ("Check first, then load") to start a new run')
+    again = "\n".join(o.get("text", "") + o.get("evalue", "") for o in nb.run(training)["outputs"])
+    assert "this run is finished" in again and "re-run the notebook from" in again, again
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # nothing appended
+    assert json.loads((run_dir / "config.json").read_text())["lora_r"] == 32  # what trained, not the slider
+    carried = json.loads((project / "runs" / "ci" / "course-config.json").read_text())
+    assert carried["lora_r"] == 16  # the choice is kept for the next run, as a choice
+    nb.clear_outputs(training)
+    nb.save()
     nb.close()
 
 
@@ -268,6 +282,25 @@ def test_04_each_figure_once_and_the_legend_names_every_run(page, lab, project, 
     runs = [load_run(p) for p in list_runs(project / "runs" / "ci")[-4:]]
     legend_or_run = figures_in(nb, compare).get_attribute("alt")
     assert all(r.label in legend_or_run for r in runs), (legend_or_run, [r.label for r in runs])
+    for text in ("loss_figure((x, loss)", 'title="overfitting'):  # section 4's figures: images, not "<Figure ...>"
+        expect(figures_in(nb, nb.index_of(text))).to_have_count(1)
+    assert "<Figure size" not in nb.panel().inner_text()
+
+    # The r comparison trains from the latest run's own config.json with only the rank (and alpha, keeping alpha/r)
+    # changed, and its legend names both runs with their knobs
+    first = load_run(project / "runs" / "ci" / STATE["first_run"])
+    source = nb.sources()[compare]
+    nb.edit(compare, source.replace("TRAIN_COMPARISON = False", "TRAIN_COMPARISON = True"))
+    nb.run(compare, timeout=TRAINING_TIMEOUT)
+    nb.edit(compare, source)
+    newest = load_run(list_runs(project / "runs" / "ci")[-1])
+    assert newest.name != first.name
+    differ = {k for k in set(first.config) | set(newest.config) if first.config.get(k) != newest.config.get(k)}
+    assert differ == {"lora_r", "lora_alpha"}, (differ, first.config, newest.config)
+    assert newest.config["lora_alpha"] / newest.config["lora_r"] == first.config["lora_alpha"] / first.config["lora_r"]
+    alt = figures_in(nb, compare).get_attribute("alt")
+    assert first.label in alt and newest.label in alt and "alpha=" in newest.label, alt
+    assert nb.errors() == []
     nb.save()
     STATE["runs_before"] = len(runs)
 
@@ -300,8 +333,23 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
     assert nb.errors() == []
     final = outputs_text(nb, nb.index_of('saved.summary["status"]'))
     assert "interrupted" in final and "set RESUME = " in final, final
+    new_run = (project / "runs" / "ci" / "latest").resolve()
+    assert new_run.name != STATE["first_run"]  # re-running from section 4 started a new run folder
+    assert json.loads((new_run / "config.json").read_text())["lora_r"] == 16  # with the slider moved after the first
+
+    # RESUME saved pointing at a completed run (a notebook reopened later): refused, nothing rewritten
+    prepare = nb.index_of("RESUME = None")
+    source = nb.sources()[prepare]
+    first = project / "runs" / "ci" / STATE["first_run"]
+    summary = (first / "summary.json").read_text()
+    nb.edit(prepare, source.replace("RESUME = None", f"RESUME = {str(first)!r}"))
+    refused = "\n".join(o.get("text", "") + o.get("evalue", "") for o in nb.run(prepare)["outputs"])
+    assert "completed its training: there is nothing to resume" in refused, refused
+    assert (first / "summary.json").read_text() == summary
+    nb.edit(prepare, source)
+    nb.clear_outputs(prepare)
     nb.save()
-    STATE["new_run"] = (project / "runs" / "ci" / "latest").resolve().name
+    STATE["new_run"] = new_run.name
     nb.close()
 
 
