@@ -59,9 +59,9 @@ class RunConfig:
     learning_rate: float = 2e-4  # 1e-4 to 3e-4 is the usual QLoRA range
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
-    max_grad_norm: float = 0.3  # the QLoRA paper's clip, for any dtype (fp16's stability comes from loss scaling)
-    optim: str = "paged_adamw_8bit"  # 8-bit states; "paged" spills to host RAM instead of OOM
-    gradient_checkpointing: bool = True  # recompute activations: less memory, ~30% more compute
+    max_grad_norm: float = 0.3  # the QLoRA paper's clip, for any dtype (fp16 gradients are unscaled before clipping)
+    optim: str = "paged_adamw_8bit"  # 8-bit states; pages only tensors >= 100k values (lora.py): r=8 adapters, none
+    gradient_checkpointing: bool = True  # recompute activations: less memory, up to 50% more compute (plan/choose.py)
     offload_checkpoints: bool = False  # GPU + GC: keep each layer's checkpoint in CPU RAM (layers x tokens x hidden
     #                                    x 2 bytes off the card); for long rows or bigger micro-batches. auto_fit decides
     # GPU + GC: replay each checkpointed layer as a CUDA graph: several times faster steps, for a memory pool (0.3-0.5
@@ -73,7 +73,7 @@ class RunConfig:
     completion_only_loss: bool = True  # loss on answers only; False trains on prompts too
     seed: int = 42
     save_steps: int = 50  # checkpoint every N optimizer steps (kept: the last 2)
-    eval_steps: int = 0  # eval loss every N steps; 0 = only before and after training (fastest)
+    eval_steps: int = 25  # eval loss every N steps, the curve notebook 04 reads for overfitting; 0 = before/after only
     logging_steps: int = 1
     # --- data ------------------------------------------------------------------------------
     train_file: str = "data/train.jsonl"  # JSONL path (relative to the project root) or a hub dataset name
@@ -204,9 +204,9 @@ CI_OVERRIDES = dict(
 
 # CPU, each change measured on 2 cores (bench/results/cpu.json, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;
-# - no gradient checkpointing: recomputing activations cost 12-22% per step, and host RAM holds them easily;
+# - no gradient checkpointing: recomputing activations cost 12-22% per step (measured), and host RAM holds them easily;
 # - 35 steps at lr 4e-4 instead of 70 at 2e-4: the same held-out score (0.958 against 0.956) in half the steps;
-# - adamw_8bit: the same 8-bit AdamW; "paged" moves optimizer state between GPU and host, nothing to do on a CPU.
+# - adamw_8bit: the same 8-bit AdamW; paging (CUDA managed memory, tensors >= 100k values) does not exist on a CPU.
 CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, gradient_checkpointing=False, max_steps=35,
                      learning_rate=4e-4, optim="adamw_8bit", max_length=256, eval_steps=10)
 

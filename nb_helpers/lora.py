@@ -70,6 +70,9 @@ def parameter_counts(model) -> tuple[int, int]:
 
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes optimizers keep 32-bit state for smaller tensors
 BNB_BLOCK = 256  # blockwise 8-bit optimizer state: one fp32 absmax per 256 values
+# paged_* optimizers page a tensor's two moments (CUDA managed memory) only from this size: smaller ones, every r=8
+# adapter's, are torch.zeros in the allocator (bitsandbytes 0.50.2 optim/optimizer.py:383 `p.numel() < 1e5`)
+BNB_PAGE_MIN_ELEMENTS = 100_000
 
 
 def adapter_param_bytes(compute_dtype: str, load_in_4bit: bool = True, adapters_fp32: bool = False) -> int:

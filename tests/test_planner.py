@@ -40,8 +40,9 @@ def test_static_components_match_hand_computed_bytes():
     lora = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4 + 4 * 64 + 32 * 4 + 4 * 64 + 64 * 4)
     assert c["lora_weights"] == 2 * lora  # bf16 (TRL casts them)
     assert c["lora_grads"] == 2 * lora  # accumulation 2 keeps them between micro-batches
-    # every LoRA tensor here is under 4096 values: bitsandbytes keeps fp32 moments (8 bytes per value)
-    assert c["optimizer_paged"] == 8 * lora and c["optimizer"] == 0
+    # every LoRA tensor here is under 4096 values: bitsandbytes keeps fp32 moments (8 bytes per value), and under the
+    # 100,000 values a paged optimizer needs before it pages: all of it is allocator memory
+    assert c["optimizer"] == 8 * lora and c["optimizer_paged"] == 0
     assert c["context"] == 0.25 * GIB
     assert c["cublas"] == 2 * 8.125 * 2**20  # compute capability 8.6: two pre-Hopper workspaces
 
@@ -195,9 +196,11 @@ def test_candidates_keep_the_effective_batch_and_prefer_fewer_micro_steps():
     options = candidates(TINYLLAMA, PlanInput(seq=512), effective_batch=8, budget_gib=4.0)
     assert options and all(o.batch * o.accum == 8 for o in options)
     assert all(o.predicted_gib <= 4.0 * (1 - choose.FIT_MARGIN) for o in options)
-    costs = [o.relative_step_cost for o in options]
-    assert costs == sorted(costs)
-    assert options[0].accum <= options[-1].accum
+    accums = [o.accum for o in options]
+    assert accums == sorted(accums)  # fewer micro-steps first, then the cheaper compute within each
+    for accum in set(accums):
+        costs = [o.relative_step_cost for o in options if o.accum == accum]
+        assert costs == sorted(costs)
 
 
 def test_graphed_candidates_come_first_and_eager_ones_remain_for_tight_budgets():

@@ -9,11 +9,17 @@ from dataclasses import asdict, dataclass
 from nb_helpers.plan.architecture import Shape
 from nb_helpers.plan.planner import Plan, PlanInput, plan, plan_for_config
 
-# Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x4/3 with checkpointing, which
-# recomputes the forward pass). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps
-# an H200 about 5% busy), so fewer, larger micro-batches win first; checkpointing is dropped when it still fits.
+# Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x GC_COMPUTE_FACTOR with
+# checkpointing). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps an H200 about 5%
+# busy), so fewer, larger micro-batches win first; checkpointing is dropped when it still fits.
 OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuristic; the trial run confirms fit)
-GC_COMPUTE_FACTOR = 4 / 3
+# The course's one figure for what gradient checkpointing costs: up to 50% more compute per step. Checkpointing runs
+# each layer's forward a second time in the backward. With the base frozen, the backward computes the gradients of the
+# activations (one matmul per linear layer, as many FLOPs as the forward's) but none for the base's weights (LoRA's
+# cost about 2r/hidden of that), so a step is about 2 forwards without checkpointing and 3 with it. (4/3 is the rule for full
+# fine-tuning, whose backward is 2 forwards.) An upper bound: the step's other work (optimizer, host overhead, the LM
+# head, which is not recomputed) dilutes it; the 2-core CPU measured 12-22% (bench/results/cpu.json).
+GC_COMPUTE_FACTOR = 3 / 2
 OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card
 FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
 

@@ -2,7 +2,7 @@
 
 The prediction is what `nvidia-smi` would show at the worst moment of training (NVML "used" for this process):
 
-    peak = CUDA context + runtime overhead + paged optimizer state + PyTorch reserved memory
+    peak = CUDA context + runtime overhead + paged optimizer state (if any) + PyTorch reserved memory
     PyTorch reserved = peak allocated + allocator overhead (cached, fragmented blocks)
 
 Every allocated byte below is traced to the code that allocates it in the stack this project pins (torch 2.11-2.13,
@@ -26,8 +26,12 @@ Weights (static)
     comes early in the backward pass, before the adapter gradients exist (zero_grad sets them to None).
   * Optimizer state: bitsandbytes 8-bit AdamW keeps two uint8 moments plus an fp32 absmax per 256 values
     (2 + 8/256 bytes per parameter); tensors under 4096 values keep fp32 moments (8 bytes). The paged variants
-    allocate it as CUDA managed memory, outside PyTorch's allocator (but inside nvidia-smi's number). torch AdamW:
-    two moments in the parameter's dtype.
+    allocate the two moments of a tensor of BNB_PAGE_MIN_ELEMENTS (100,000) values or more as CUDA managed memory,
+    outside PyTorch's allocator (but inside nvidia-smi's number), which moves to host RAM only when the card runs
+    out; every smaller tensor's moments, and every absmax, are ordinary allocator memory (bitsandbytes 0.50.2
+    optim/optimizer.py, get_state_buffer: `p.numel() < 1e5`). No r=8 adapter tensor of these models is that large
+    (TinyLlama: 16,384 values on attention, 45,056 on the MLP), so the recipe pages nothing. torch AdamW: two
+    moments in the parameter's dtype.
 
 Activations, the loss and LM head, the fp32 upcast while loading and the transients at the peak: see
 nb_helpers.plan.activations, which computes them.
@@ -37,7 +41,7 @@ two threads that run matmuls (forward, autograd).
 
 Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/planner_validation.json)
   * Runtime overhead outside PyTorch's allocator once training runs (kernels loaded lazily by torch,
-    bitsandbytes and Triton, the paged optimizer's bookkeeping): RUNTIME_OVERHEAD_GIB.
+    bitsandbytes and Triton): RUNTIME_OVERHEAD_GIB.
   * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other
     sizes stay cached. It grows with the activations, and gradient checkpointing, which frees and re-allocates a
     layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _GC_LEAN / _NO_GC of the peak
@@ -53,7 +57,7 @@ from __future__ import annotations
 import platform
 from dataclasses import asdict, dataclass, field
 
-from nb_helpers.lora import adapter_param_bytes, optimizer_bytes
+from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
 from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
                                           known_families, load_shape, nf4_bytes, plan_targets)
@@ -200,11 +204,18 @@ def static_bytes(shape: Shape, inp: PlanInput) -> dict[str, float]:
     sizes = lora_tensors(shape, inp)
     c["lora_weights"] = float(adapter_bytes * sum(sizes))
     c["lora_grads"] = float(adapter_bytes * sum(sizes)) if inp.accum > 1 else 0.0
-    state = optimizer_bytes(sizes, inp.optim, adapter_bytes)
-    paged = inp.optim.startswith("paged_")
-    c["optimizer_paged"] = state if paged else 0.0
-    c["optimizer"] = 0.0 if paged else state
+    c["optimizer_paged"] = paged_optimizer_bytes(sizes, inp.optim)
+    c["optimizer"] = optimizer_bytes(sizes, inp.optim, adapter_bytes) - c["optimizer_paged"]
     return c
+
+
+def paged_optimizer_bytes(sizes, optim: str) -> float:
+    """The optimizer state a paged_* optimizer allocates outside PyTorch's allocator: the two moments (8-bit: 1
+    byte each, 32-bit: 4) of each tensor of BNB_PAGE_MIN_ELEMENTS values or more. The rest is in the allocator."""
+    if not optim.startswith("paged_"):
+        return 0.0
+    per_value = 2 if optim.endswith("_8bit") else 8
+    return float(sum(per_value * n for n in sizes if n >= BNB_PAGE_MIN_ELEMENTS))
 
 
 def allocator_bytes(inp: PlanInput, dynamic: float) -> float:

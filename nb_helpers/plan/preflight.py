@@ -39,7 +39,7 @@ def preflight(cfg: RunConfig, choice: ModelChoice, verbose: bool = True) -> RunC
         if verbose:
             print(f"[config] compute_dtype='bfloat16' asked for, but this GPU (compute capability "
                   f"{capability[0]}.{capability[1]}) has no native bf16: using float16 instead, with "
-                  f"loss scaling keeping it stable")
+                  f"loss scaling so that small gradients do not underflow to zero")
         cfg = cfg.replace(compute_dtype="float16")
     return cfg
 

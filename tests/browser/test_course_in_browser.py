@@ -144,6 +144,18 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
 
     nb.run_all_from(family + 1)
     assert nb.errors() == []
+
+    # The LoRA cell re-runs after a slider move: the old adapter comes off, the new rank attaches to the base layers
+    lora = nb.index_of("model = get_peft_model(model, lora_config)")
+    shown_rank = ('print(model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj")'
+                  '.lora_A["default"].weight.shape[0])')
+    move(page, rank, -1)  # 16 -> 8
+    expect(status_line(cell)).to_contain_text("alpha/r = 16/8")
+    nb.run(lora)
+    assert nb.errors() == [] and nb.ask(shown_rank).strip() == "8"
+    move(page, rank, +1)  # back to 16, the choice the next notebooks expect
+    nb.run(lora)
+    assert nb.errors() == [] and nb.ask(shown_rank).strip() == "16"
     nb.save()
     nb.screenshot(panel, screenshots / "02_attach_lora.png")
     nb.close()
