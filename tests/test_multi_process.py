@@ -248,6 +248,8 @@ def test_resume_on_two_processes(launched):
     broken = work / "runs" / "broken"
     shutil.copytree(run, broken)
     shutil.rmtree(broken / "checkpoints" / "checkpoint-3")  # as if it had stopped after step 2's checkpoint
+    summary = json.loads((broken / "summary.json").read_text())
+    (broken / "summary.json").write_text(json.dumps({**summary, "status": "interrupted"}))  # as an interrupt leaves it
     proc = launch(["train", "--resume", str(broken)], cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "[run] resuming on 2 processes, as the checkpoint was trained" in proc.stdout

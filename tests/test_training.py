@@ -159,8 +159,10 @@ def test_notebook_sft_config_matches_the_package(tmp_path, changes, rows):
     from nb_helpers.trainer_setup import bookkeeping_args, sft_config
 
     run = TrainingRun(RunConfig(**changes), train_rows=rows, eval_rows=rows, run_dir=tmp_path)
+    from nb_helpers.distributed import one_gpu_per_process
+
     names = {"SFTConfig": SFTConfig, "resolve_compute_dtype": resolve_compute_dtype,
-             "bookkeeping_args": bookkeeping_args, "cfg": run.cfg, "run": run}
+             "bookkeeping_args": bookkeeping_args, "one_gpu_per_process": one_gpu_per_process, "run": run}
     exec(notebook_03_code("SFTConfig("), names)
     assert names["args"].to_dict() == sft_config(run).to_dict()
     assert names["args"].completion_only_loss is (changes.get("completion_only_loss", True) and "text" not in rows[0])
