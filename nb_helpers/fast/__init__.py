@@ -6,16 +6,16 @@ or on a CPU, the course runs the stock layers of notebooks 01-03 and nothing in 
 The course reaches it through this module alone, in four calls:
 
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
-    before_lora(model, fast)              # the base frozen without upcasts; fused kernels     (fast.kernels)
+    before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers, checkpoint functions  (fast.mask,
                                           #   fast.fused_lora, fast.checkpoints, fast.offload, fast.graphed_layers)
     adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
                                           #   (fast.optimizer_step)
 
-One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every use of
-another library's private API sits in fast.compat and is checked there: a failed check turns its lever off with one
-line naming the API, and `make test` fails on it. `levers_ran(model)` is what config.json, summary.json and the log
-say ran, and why any lever fell back.
+One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
+API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
+check turns its lever off with one line naming the API, and `make test` fails on it. `levers_ran(model, cfg)` is what
+config.json, summary.json and the log say ran.
 """
 
 from __future__ import annotations
