@@ -24,7 +24,7 @@ from nb_helpers.models import ModelChoice, ensure_embedded_model, load_4bit, loa
 from nb_helpers.plan.activations import layer_activation_bytes_per_token  # noqa: E402
 from nb_helpers.plan.planner import PlanInput, Shape  # noqa: E402
 from nb_helpers.training import TrainingRun, build_trainer  # noqa: E402
-from nb_helpers.lora import attach_lora
+from nb_helpers.lora import attach_lora  # noqa: E402
 
 DIMS = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
             max_position_embeddings=4096, tie_word_embeddings=False)

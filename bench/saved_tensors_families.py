@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from families import build, tiny_config  # noqa: E402
 
 from nb_helpers.plan.architecture import Shape  # noqa: E402
-from nb_helpers.fast.fastpath import FastOptions  # noqa: E402
+from nb_helpers.fast import FastOptions  # noqa: E402
 from nb_helpers.models import ensure_embedded_model, load_tokenizer  # noqa: E402
 from nb_helpers.plan.activations import layer_activation_bytes_per_token  # noqa: E402
 from nb_helpers.plan.architecture import plan_targets  # noqa: E402
