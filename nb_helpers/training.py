@@ -295,10 +295,9 @@ def finish_run(run: TrainingRun, trainer, verbose: bool = True) -> Path:
     processes rank 0 writes; every process returns once the folder is complete."""
     if run.finished:
         return run.run_dir  # already finished (a re-run cell): nothing to save again
-    if run.oom_step is not None:
-        run.finished = True
-        stop_after_oom(run, trainer)
     run.finished = True
+    if run.oom_step is not None:
+        stop_after_oom(run, trainer)
     keep_good_adapter(run)
     if run.summary.get("status", "completed") == "completed":
         evaluate_after(run, trainer)

@@ -155,60 +155,25 @@ def use_expandable_segments(fast: FastOptions) -> bool | None:
     return expandable()
 
 
-def checkpoint_kwargs(model=None) -> dict:
-    from nb_helpers.fast.checkpoints import checkpoint_kwargs as kwargs
-
-    return kwargs(model)
-
-
-def graphs_on(model=None) -> bool:
-    from nb_helpers.fast.checkpoints import graphs_on as on
-
-    return on(model)
-
-
-def pad_multiple(model) -> int | None:
-    from nb_helpers.fast.checkpoints import pad_multiple as multiple
-
-    return multiple(model)
+# Reached as nb_helpers.fast.NAME, imported on first use: importing the fast path must not import torch (the planner
+# and the CLI's `plan` read FastOptions on machines where training never starts).
+LAZY = {
+    "checkpoint_kwargs": ("checkpoints", "checkpoint_kwargs"),  # torch checkpoint's kwargs for this run
+    "graphs_on": ("checkpoints", "graphs_on"),
+    "pad_multiple": ("checkpoints", "pad_multiple"),  # the collator's length step, or None
+    "set_checkpoint_offload": ("checkpoints", "set_checkpoint_offload"),
+    "padded_length": ("graphed_layers", "padded_length"),
+    "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
+    "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
+    "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
+    "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
+}
 
 
-def padded_length(tokens: int) -> int:
-    from nb_helpers.fast.graphed_layers import padded_length as padded
+def __getattr__(name: str):
+    if name not in LAZY:
+        raise AttributeError(f"module 'nb_helpers.fast' has no attribute {name!r}")
+    import importlib
 
-    return padded(tokens)
-
-
-def set_checkpoint_offload(model, offload: bool) -> None:
-    from nb_helpers.fast.checkpoints import set_checkpoint_offload as point
-
-    point(model, offload)
-
-
-def out_of_memory_raises():
-    """A context in which a CUDA graph capture that runs out of memory raises instead of falling back to eager."""
-    from nb_helpers.fast.graphed_layers import out_of_memory_raises as raises
-
-    return raises()
-
-
-def add_fused_lm_head(model) -> None:
-    """TRL's fused LM head (log-probs without the full logits) on a model outside SFTTrainer: auto-fit's trial step
-    measures the loss SFTTrainer will run."""
-    from nb_helpers.fast.compat import add_fused_lm_head as add
-
-    add(model)
-
-
-def set_trainer_device(trainer, device) -> None:
-    """The Trainer's cached device (a private attribute of TrainingArguments), for several CPU processes."""
-    from nb_helpers.fast.compat import set_trainer_device as set_device
-
-    set_device(trainer, device)
-
-
-def reset_graphs() -> None:
-    """Drop every captured graph and its memory pool (auto-fit's trials; a second run in one process)."""
-    from nb_helpers.fast.graphed_layers import reset
-
-    reset()
+    module, attr = LAZY[name]
+    return getattr(importlib.import_module(f"nb_helpers.fast.{module}"), attr)

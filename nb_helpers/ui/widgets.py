@@ -259,9 +259,9 @@ class PlanView:
         try:
             if self.shape is None:
                 raise ValueError(self.shape_error or "no model shape: pass load_shape(model path)")
-            result = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
-                                     gpu_capability=self.capability or (7, 5))
-            result = graphs_dropped_unless_they_fit(result, budget)  # what a run on that card would use
+            planned = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
+                                      gpu_capability=self.capability or (7, 5))
+            result = graphs_dropped_unless_they_fit(planned, budget)  # what a run on that card would use
         except Exception as e:  # noqa: BLE001 - a widget callback must not raise; say why instead
             self.plan = None
             self.widget.value = (f"<div style='color:{OVER_COLOR}'><b>no prediction</b> for these settings: "
@@ -269,9 +269,10 @@ class PlanView:
             return
         result.budget_gib = budget
         self.plan = result
-        self.widget.value = self.what_trains(cfg, result, budget) + plan_html(result, source, self.device_note)
+        self.widget.value = self.what_trains(cfg, planned, result, budget) + plan_html(result, source,
+                                                                                       self.device_note)
 
-    def what_trains(self, cfg: RunConfig, result, budget: float) -> str:
+    def what_trains(self, cfg: RunConfig, planned, result, budget: float) -> str:
         """One line over the prediction: whether these settings train as set, or what auto-fit will run instead."""
         import torch
 
@@ -281,10 +282,8 @@ class PlanView:
             return "<div><b>these settings train as set</b> (auto-fit needs a CUDA GPU); the prediction is theirs</div>"
         from nb_helpers.plan.choose import auto_fit
 
-        try:
-            fitting = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
-                                      gpu_capability=self.capability or (7, 5))
-            choice = auto_fit(self.shape, fitting.inputs, cfg.effective_batch, budget, log=lambda *_: None)
+        try:  # `planned`: the settings as set, graphs weighed, before any are dropped for the card
+            choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None)
         except MemoryError as e:
             return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
         return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "
