@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
 TEST_STAMP := $(VENV)/.test-installed-stamp
+# matplotlib's font cache lives in the venv: the shared one in ~/.cache can name fonts of a venv since deleted
+# (seen in CI: "findfont: Font family ['STIXGeneral'] not found" on every log-scale axis)
+export MPLCONFIGDIR := $(abspath $(VENV))/matplotlib
 # JupyterLab reads every file in overrides.d: ours saves widget state with the notebook, so a reopened notebook
 # shows its sliders and panels instead of "Error displaying widget: model not found"
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
