@@ -130,6 +130,27 @@ GRAPHED = [
     ("x11", "smollm2-135m", 512, 16, 1, 8, QKVO, True, 4),
     ("x12", "llama-3.2-1b", 256, 8, 1, 8, QKVO, True, 4),
 ]
+# Issue 26: points none of the planner's constants saw, on the default GPU path as it is now (fast path, liger's kernels
+# on Llama shapes, no graphs for hand-set runs), six families, 256 to 4,096 tokens, r 8 to 32, with and without
+# checkpointing. bench/planner_from_cpu.py plans them as a CPU-only machine would (`plan --gpu-capability 9.0`).
+CARDS26 = [
+    ("c1", "tinyllama-1.1b", 256, 4, 2, 8, QKVO, False, 4),
+    ("c2", "tinyllama-1.1b", 1024, 2, 4, 32, "all-linear", True, 4),
+    ("c3", "tinyllama-1.1b", 4096, 1, 8, 16, QKVO, True, 48),
+    ("c4", "smollm2-135m", 2048, 2, 4, 32, "all-linear", False, 48),
+    ("c5", "smollm2-135m", 4096, 1, 8, 8, QKVO, True, 4),
+    ("c6", "qwen3-0.6b", 1024, 2, 4, 8, QKVO, False, 48),
+    ("c7", "qwen3-0.6b", 4096, 1, 8, 16, "all-linear", True, 4),
+    ("c8", "qwen3-1.7b", 256, 8, 1, 32, "all-linear", True, 4),
+    ("c9", "qwen3-1.7b", 2048, 1, 8, 8, QKVO, False, 48),
+    ("c10", "llama-3.2-1b", 2048, 1, 8, 32, "all-linear", True, 4),
+    ("c11", "llama-3.2-1b", 512, 8, 1, 8, QKVO, False, 48),
+    ("c12", "qwen2.5-0.5b", 1024, 4, 2, 16, QKVO, False, 48),
+    ("c13", "qwen2.5-0.5b", 4096, 2, 4, 8, "all-linear", True, 4),
+    ("c14", "gemma3-270m", 2048, 4, 2, 32, "all-linear", False, 48),
+    ("c15", "gemma3-1b", 4096, 1, 8, 8, QKVO, True, 4),
+    ("c16", "gemma3-1b", 512, 4, 2, 32, "all-linear", False, 48),
+]
 # Auto-fit against the reference recipe on the TinyLlama shape at 4 GiB, effective batch 8, in one call.
 AUTOFIT = [(f"{name}-{seq}", seq, extra) for seq in (512, 2048) for name, extra in (
     ("reference", dict(micro_batch_size=1, grad_accum=8, gradient_checkpointing=True)),
@@ -199,8 +220,9 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--points", default="all",
-                        help="comma list of point ids, all, holdout, lean, families, graphed, or autofit")
+                        help="comma list of point ids, all, holdout, lean, families, graphed, cards26, or autofit")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per point (more: a step time too)")
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
     from build_tinyllama_shape import build
@@ -222,9 +244,10 @@ def main() -> None:
             for line in row.get("autofit_log", []):
                 print("   ", line, flush=True)
         return
-    pool = {"holdout": HOLDOUT, "lean": LEAN, "families": FAMILIES, "graphed": GRAPHED}.get(args.points) or \
-        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN + FAMILIES + GRAPHED
-    if args.points in ("all", "holdout", "lean", "families", "graphed"):
+    sets = {"holdout": HOLDOUT, "lean": LEAN, "families": FAMILIES, "graphed": GRAPHED, "cards26": CARDS26}
+    pool = sets.get(args.points) or \
+        POINTS + [p for p in HOLDOUT if p[0] not in {q[0] for q in POINTS}] + LEAN + FAMILIES + GRAPHED + CARDS26
+    if args.points == "all" or args.points in sets:
         chosen = pool
     else:  # in the order given
         by_id = {p[0]: p for p in pool}
@@ -240,7 +263,7 @@ def main() -> None:
             built[shape] = Path(f"/tmp/shape-{shape}")
             if not (built[shape] / "config.json").exists():
                 build(shape, str(built[shape]), ROOT / "data", max_positions=4096)
-        row = run_point(point, built[shape], work)
+        row = run_point(point, built[shape], work, steps=args.steps)
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[grid] {row['id']:<4}{shape:<16}seq {point[2]:>5} b{point[3]}x{point[4]} r{point[5]:<3}"

@@ -475,3 +475,26 @@ def test_hand_set_runs_stay_lean_unless_graphs_are_asked_for(capsys):
     assert auto_fit(shape, fitting, 8, 4.0, log=lambda *_: None).graphs
     never = plan_for_config(cfg.replace(auto_fit=True, cuda_graphs=False), shape, context_gib=0.6).inputs
     assert not auto_fit(shape, never, 8, 4.0, log=lambda *_: None).graphs
+
+
+def test_a_gpu_planned_from_a_machine_without_it_runs_the_gpu_extras(monkeypatch):
+    """Planned from a CPU (or for another GPU), the plan is for what `make` installs beside an NVIDIA driver:
+    liger's fused layers, whatever this machine has installed; `gpu_extras=False` plans a GPU without them. Planned
+    from a CPU without liger, the stock MLP's extra saved tensor made plans up to 20% high (issue 26)."""
+    from nb_helpers import fast
+    from nb_helpers.config import RunConfig
+    from nb_helpers.plan import dtypes
+    from nb_helpers.plan.catalog import known_shape
+    from nb_helpers.plan.planner import plan_for_config
+
+    monkeypatch.setattr(fast, "kernels_installed", lambda: False)
+    monkeypatch.setattr(dtypes, "cuda_capability", lambda: None)
+    shape, cfg = known_shape("tinyllama-1.1b"), RunConfig(max_length=2048, gradient_checkpointing=False)
+    assumed = plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(9, 0))
+    without = plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(9, 0), gpu_extras=False)
+    assert assumed.inputs.fused_kernels and not without.inputs.fused_kernels
+    assert assumed.peak_gib < without.peak_gib
+    # planning this machine's own GPU follows what is installed here
+    monkeypatch.setattr(dtypes, "cuda_capability", lambda: (9, 0))
+    assert not plan_for_config(cfg, shape, context_gib=0.6).inputs.fused_kernels
+    assert plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(7, 5)).inputs.fused_kernels

@@ -256,9 +256,25 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     return Plan(inp, shape, {k: c[k] for k in COMPONENT_LABELS}, phase, budget_gib, notes=plan_notes(shape, inp))
 
 
+def gpu_extras_on(gpu_capability: tuple[int, int] | None, gpu_extras: bool | None = None) -> bool:
+    """Whether the planned GPU runs liger-kernel's fused layers: for this machine's own GPU, whether they are
+    installed here; for any other GPU (a CPU planning a GTX 1650, a named --gpu-capability), what `make` installs
+    beside an NVIDIA driver (requirements-gpu.txt), unless `gpu_extras` says otherwise. Planned from a CPU without
+    them, the stock MLP's extra saved tensor made plans up to 20% high (issue 26)."""
+    from nb_helpers.fast import kernels_installed
+    from nb_helpers.plan.dtypes import cuda_capability
+
+    if gpu_extras is not None:
+        return gpu_extras
+    here = cuda_capability()
+    return kernels_installed() if here is not None and gpu_capability in (None, here) else True
+
+
 def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
-                    gpu_capability: tuple[int, int] | None = None, labelled_fraction: float = 1.0) -> Plan:
-    """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names."""
+                    gpu_capability: tuple[int, int] | None = None, labelled_fraction: float = 1.0,
+                    gpu_extras: bool | None = None) -> Plan:
+    """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names. `gpu_extras`: see
+    gpu_extras_on."""
     from nb_helpers.plan.dtypes import cuda_capability, gpu_compute_dtype
 
     if shape is None:
@@ -268,7 +284,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
     capability = gpu_capability or cuda_capability() or (7, 5)
     # "auto" means what the planned GPU would pick, not this machine (a CPU may pick fp32)
     dtype = gpu_compute_dtype(cfg.compute_dtype, capability)
-    from nb_helpers.fast import gpu_options, kernels_installed
+    from nb_helpers.fast import gpu_options
 
     fast = gpu_options(cfg.fast_path)  # the GPU path's levers, as cfg.fast_path and NB_FASTPATH leave them
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
@@ -277,7 +293,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     lora_dropout=cfg.lora_dropout, labelled_fraction=labelled_fraction,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
                     gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
-                    fused_kernels=fast.kernels and kernels_installed(),
+                    fused_kernels=fast.kernels and gpu_extras_on(gpu_capability, gpu_extras),
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=cfg.fast_path and bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
                     graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant)
