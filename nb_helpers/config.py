@@ -88,11 +88,15 @@ class RunConfig:
     runs_dir: str = "runs"
     run_name: str | None = None  # None = timestamp + model + rank
     budget_gib: float | None = None  # emulate a smaller card on a bigger one (CUDA only), context included
+    # the learner's card (plan/cards.py): "gtx1650", "gtx1650-laptop", "rtx3050-laptop-4gb", "rtx3050-6gb",
+    # "rtx3050-8gb", "t4" or "6 GiB". Plans use its memory and compute capability; a bigger GPU emulates it
+    card: str | None = None
+    desktop_on_card: bool = True  # the screen runs on the card: keep ~0.35 GiB for it; False on a headless machine
     auto_fit: bool = False  # GPU: pick micro-batch x accumulation and GC that fit budget_gib, same effective batch
     # GPU: the fenced fast path (nb_helpers.fast: fused kernels, no mask, CUDA graphs, ...); False trains the plain
     # transformers + peft + TRL stack of the reference recipe, same math, slower. No effect on a CPU
     fast_path: bool = True
-    vram_warn_gib: float = 3.9  # flag steps above this in the analysis (4 GB card)
+    vram_warn_gib: float | None = None  # notebook 04 flags steps above this; None = the card's budget (GTX 1650: 3.46)
 
     # ------------------------------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ import gc
 from nb_helpers import distributed, fast
 from nb_helpers.config import RunConfig
 from nb_helpers.data import longest_row_tokens
+from nb_helpers.plan.cards import budget_of, planning_context_gib
 
 
 def fit_to_budget(run, verbose: bool = True) -> None:
@@ -24,7 +25,7 @@ def fit_to_budget(run, verbose: bool = True) -> None:
         print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
     if fast.pad_multiple(run.model):  # batches are padded to a multiple of 64 tokens: fit for that length
         seq = fast.padded_length(seq)
-    context = run.summary.get("cuda_context_gib")
+    context = planning_context_gib(run.cfg, run.summary.get("cuda_context_gib"))
     fitted = error = None
     if distributed.is_main():
         try:
@@ -55,7 +56,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     if shape is None:
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
                            "and grad_accum by hand instead")
-    budget = cfg.budget_gib or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    budget = budget_of(cfg) or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     seq = min(seq or cfg.max_length, cfg.max_length)
     base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
     dtype = getattr(torch, base.compute_dtype)
@@ -130,7 +131,7 @@ def keep_graphs_within_budget(run, verbose: bool = True) -> None:
         return
     if not cfg.cuda_graphs:
         return
-    budget = cfg.budget_gib or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
+    budget = budget_of(cfg) or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
     chosen = graphs_dropped_unless_they_fit(run.prediction, budget)
     if chosen is not run.prediction:
         if verbose:
@@ -144,7 +145,7 @@ def say_graphs_cost(run) -> None:
     from nb_helpers.plan.planner import plan_for_config
 
     graphed = plan_for_config(run.cfg.replace(cuda_graphs=True), run.shape,
-                              context_gib=run.summary.get("cuda_context_gib"))
+                              context_gib=planning_context_gib(run.cfg, run.summary.get("cuda_context_gib")))
     if not graphed.components.get("graphs"):  # NB_FASTPATH turned them off, or checkpoints they cannot replay
         return
     extra = graphed.peak_gib - run.prediction.peak_gib

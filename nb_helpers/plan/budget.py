@@ -23,7 +23,9 @@ class Budget:
                 f"PyTorch allocator cap {self.allocator_cap_gib:.2f} GiB (card has {self.total_gib:.1f} GiB)")
 
 
-def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
+def enforce_budget(budget_gib: float, device: int = 0, card_context_gib: float | None = None) -> Budget:
+    """Cap PyTorch's allocator at the budget less the CUDA context: this GPU's context, or with `card_context_gib`
+    the emulated card's (a GTX 1650's context is about half an H200's: the card's PyTorch gets what it would get)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -33,7 +35,7 @@ def enforce_budget(budget_gib: float, device: int = 0) -> Budget:
     torch.cuda.synchronize(device)
     context = outside_allocator_gib(device)
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
-    cap = budget_gib - context
+    cap = budget_gib - (context if card_context_gib is None else card_context_gib)
     if cap <= 0.1:
         raise RuntimeError(f"a {budget_gib} GiB budget leaves nothing after the {context:.2f} GiB CUDA context; "
                            "raise budget_gib")

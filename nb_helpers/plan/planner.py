@@ -281,7 +281,12 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
         from nb_helpers.models import resolve_model
 
         shape = load_shape(resolve_model(cfg, verbose=False).path)
-    capability = gpu_capability or cuda_capability() or (7, 5)
+    from nb_helpers.plan.cards import budget_of, run_card
+
+    card = run_card(cfg)  # a named card: its capability and context, unless given here
+    capability = gpu_capability or (card.capability if card else None) or cuda_capability() or (7, 5)
+    if context_gib is None and card is not None:
+        context_gib = card.context_gib
     # "auto" means what the planned GPU would pick, not this machine (a CPU may pick fp32)
     dtype = gpu_compute_dtype(cfg.compute_dtype, capability)
     from nb_helpers.fast import gpu_options
@@ -297,7 +302,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=cfg.fast_path and bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
                     graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant)
-    return plan(shape, inp, budget_gib=cfg.budget_gib)
+    return plan(shape, inp, budget_gib=budget_of(cfg))
 
 
 _CONTEXT_CACHE: dict[int, float] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from nb_helpers.metrics import median
+from nb_helpers.plan.cards import COURSE_CARD, find_card
 
 SPIKE_FACTOR = 2.0  # a step this many times slower than the median is a spike
 
@@ -41,9 +42,11 @@ def step_time_drift(steps: list[dict]) -> tuple[float, float, float] | None:
     return first, last, last / first - 1
 
 
-def flag_problems(records: list[dict], vram_warn_gib: float = 3.9) -> list[str]:
+def flag_problems(records: list[dict], vram_warn_gib: float | None = None) -> list[str]:
     """Plain-language warnings: memory over the card's budget, step-time spikes and drift (another program, or a
-    laptop throttling), and a loss that went up."""
+    laptop throttling), and a loss that went up. `vram_warn_gib`: default the course's GTX 1650 budget (3.46 GiB)."""
+    if vram_warn_gib is None:
+        vram_warn_gib = find_card(COURSE_CARD).budget_gib()
     steps = [r for r in records if "loss" in r]
     flags = []
     over = [r for r in steps if (r.get("device_used_gib") or 0) > vram_warn_gib]

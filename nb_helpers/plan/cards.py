@@ -1,0 +1,118 @@
+"""The cards our learners own, as PyTorch sees them: what "fits a GTX 1650" means in numbers.
+
+A 4 GB card is not 4.00 GiB to PyTorch. Linux drivers report about 3.81 GiB of total capacity for a GTX 1650 (newer
+drivers 3.6-3.7 GiB for a 4 GB Ampere laptop chip), the CUDA context takes about 0.3 GiB of it, and a screen driven
+by the same card keeps a few hundred MiB more. Each preset names those figures with where they were read
+(`SOURCES`), so a plan for a card is that card's budget, and the emulation on a bigger GPU caps PyTorch's allocator
+where the card would: total - context - desktop reserve.
+
+Figures not found in a public report are marked as estimates. Windows reports the full 4.00 GiB but its driver
+mode (WDDM) keeps 10-15% back, so the Linux figure is the safer one there too.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DESKTOP_RESERVE_GIB = 0.35  # Xorg + gnome-shell on a GTX 1050 Ti laptop: 327 MiB (source "desktop")
+CONTEXT_GIB = 0.30  # CUDA 12/13 with lazy loading: "~300MB" (source "context")
+
+SOURCES = {
+    "gtx1650": "https://github.com/ultralytics/yolov5/issues/285 (GTX 1650: '3.81 GiB total capacity')",
+    "rtx3050-laptop": "https://github.com/Robbyant/lingbot-map/issues/73 (GA107 laptop chip, 2026 driver: 'total "
+                      "capacity of 3.68 GiB'); an older driver gave 3.81 GiB (https://github.com/NVlabs/RVT/issues/7)",
+    "t4": "https://github.com/NUS-HPC-AI-Lab/VideoSys/issues/192 (Colab T4: 'total capacity of 14.75 GiB')",
+    "estimate-6gb": "estimate: other 6 GB cards report 5.80-5.81 GiB on Linux; none found for the RTX 3050 6 GB",
+    "estimate-8gb": "estimate: other 8 GB Ampere cards report 7.76-7.79 GiB on Linux; none found for the RTX 3050 8 GB",
+    "capability": "https://developer.nvidia.com/cuda-gpus (Turing GTX 16xx and T4: 7.5; Ampere RTX 30xx: 8.6)",
+    "context": "https://github.com/pytorch/pytorch/issues/107667 (a PyTorch maintainer: the context is '~300MB' "
+               "since CUDA 11.7's lazy loading)",
+    "desktop": "https://github.com/pop-os/system76-power/issues/76 (GNOME on Xorg: 327 MiB on a 4 GB laptop card)",
+}
+
+
+@dataclass(frozen=True)
+class Card:
+    key: str
+    name: str
+    total_gib: float  # torch.cuda.get_device_properties(0).total_memory / 2**30 on Linux
+    capability: tuple[int, int]  # decides the dtype (bf16 needs >= 8.0) and the cuBLAS workspaces
+    source: str  # a key of SOURCES for total_gib
+    context_gib: float = CONTEXT_GIB
+    desktop_gib: float = DESKTOP_RESERVE_GIB  # 0 where no screen can hang off the card (a T4)
+
+    def reserve_gib(self, desktop: bool) -> float:
+        return self.desktop_gib if desktop else 0.0
+
+    def budget_gib(self, desktop: bool = True) -> float:
+        """What a run may use, CUDA context included (the planner's and budget_gib's meaning)."""
+        return round(self.total_gib - self.reserve_gib(desktop), 2)
+
+    def allocator_cap_gib(self, desktop: bool = True) -> float:
+        """PyTorch's share on the card: what the emulation on a bigger GPU caps the allocator at."""
+        return round(self.budget_gib(desktop) - self.context_gib, 2)
+
+    def describe(self, desktop: bool = True) -> str:
+        reserve = f" - desktop {self.desktop_gib:.2f}" if desktop and self.desktop_gib else ""
+        return (f"{self.name}: {self.total_gib:.2f} GiB as PyTorch reports it{reserve} = budget "
+                f"{self.budget_gib(desktop):.2f} GiB (context {self.context_gib:.2f} + PyTorch "
+                f"{self.allocator_cap_gib(desktop):.2f}), compute capability {self.capability[0]}.{self.capability[1]}")
+
+
+CARDS = {card.key: card for card in (
+    Card("gtx1650", "GTX 1650 (4 GB)", 3.81, (7, 5), "gtx1650"),
+    Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650"),
+    Card("rtx3050-laptop-4gb", "RTX 3050 laptop (4 GB)", 3.68, (8, 6), "rtx3050-laptop"),
+    Card("rtx3050-6gb", "RTX 3050 6 GB", 5.80, (8, 6), "estimate-6gb"),
+    Card("rtx3050-8gb", "RTX 3050 8 GB", 7.78, (8, 6), "estimate-8gb"),
+    Card("t4", "Tesla T4 16 GB (Colab)", 14.75, (7, 5), "t4", desktop_gib=0.0),
+)}
+GENERIC = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*gi?b\s*$", re.IGNORECASE)
+
+
+def card_names() -> list[str]:
+    return [*CARDS, "<N> GiB (e.g. '6 GiB': any card, compute capability 7.5 assumed)"]
+
+
+def find_card(name: str) -> Card:
+    """A preset by key (`gtx1650`), or a generic '<N> GiB' card: N GiB total, Turing's capability (the course's
+    most conservative: fp16, no bf16), the usual context and desktop reserve."""
+    if name in CARDS:
+        return CARDS[name]
+    generic = GENERIC.match(name)
+    if generic and 1.0 <= float(generic.group(1)) <= 200.0:
+        total = float(generic.group(1))
+        return Card(name.strip(), f"a {total:g} GiB card", total, (7, 5), "generic: the size given")
+    raise ValueError(f"card={name!r}: not a preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')")
+
+
+# --- a run's card -----------------------------------------------------------------------------------------------
+COURSE_CARD = "gtx1650"  # the card the course targets when nothing else is said (plans, notebook 02, warnings)
+
+
+def run_card(cfg) -> Card | None:
+    """The card a RunConfig names (cfg.card), else None."""
+    return find_card(cfg.card) if cfg.card else None
+
+
+def budget_of(cfg, course_card: bool = False) -> float | None:
+    """GiB a run may use, CUDA context included: budget_gib as set, else its card's budget, else (`course_card`)
+    the course's GTX 1650, else None (no cap). The one place a budget comes from."""
+    if cfg.budget_gib is not None:
+        return cfg.budget_gib
+    card = run_card(cfg) or (find_card(COURSE_CARD) if course_card else None)
+    return card.budget_gib(cfg.desktop_on_card) if card else None
+
+
+def warn_line_gib(cfg) -> float:
+    """Where notebook 04 flags device memory: vram_warn_gib as set, else the budget of the run's card (the course's
+    GTX 1650: 3.46 GiB, below its 3.81 GiB total, so the flag can come before an out-of-memory error)."""
+    return cfg.vram_warn_gib if cfg.vram_warn_gib is not None else budget_of(cfg, course_card=True)
+
+
+def planning_context_gib(cfg, measured_gib: float | None) -> float | None:
+    """The context a plan counts: the card's, when the run emulates one (the emulation caps PyTorch where the card
+    would, whatever this GPU's own context), else the one measured here."""
+    card = run_card(cfg)
+    return card.context_gib if card is not None else measured_gib

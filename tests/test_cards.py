@@ -1,0 +1,74 @@
+"""Card presets: what "fits a GTX 1650" means in that card's numbers, planned from any machine (issue 26)."""
+
+import sys
+
+import pytest
+
+from nb_helpers.config import PROJECT_ROOT, RunConfig
+from nb_helpers.plan.cards import CARDS, SOURCES, budget_of, find_card, planning_context_gib, warn_line_gib
+from nb_helpers.plan.catalog import known_shape
+from nb_helpers.plan.planner import plan_for_config
+
+
+NOMINAL_GB = {"gtx1650": 4, "gtx1650-laptop": 4, "rtx3050-laptop-4gb": 4, "rtx3050-6gb": 6, "rtx3050-8gb": 8,
+              "t4": 16}
+
+
+def test_every_preset_names_a_source_and_sits_below_its_nominal_size():
+    for card in CARDS.values():
+        assert card.source in SOURCES, card.key
+        assert SOURCES[card.source].startswith(("https://", "estimate")), card.key
+        assert card.total_gib < NOMINAL_GB[card.key], card.key  # Linux never reports the nominal GB as GiB
+        assert card.allocator_cap_gib() < card.budget_gib() <= card.total_gib
+
+
+def test_the_gtx_1650_budget_is_its_own_and_below_the_4_gib_used_before():
+    card = find_card("gtx1650")
+    assert card.capability == (7, 5)
+    assert card.budget_gib() < card.total_gib < 4.0
+    assert card.allocator_cap_gib() < 4.0 - 0.60  # the old emulation: 4.00 GiB less the H200's context
+    assert card.budget_gib(desktop=False) == card.total_gib
+
+
+def test_a_gtx_1650_plan_of_the_reference_recipe_fits_in_fp16_with_its_context():
+    cfg = RunConfig(card="gtx1650")
+    planned = plan_for_config(cfg, known_shape("tinyllama-1.1b"))
+    assert planned.inputs.gpu_capability == (7, 5) and planned.inputs.compute_dtype == "float16"
+    assert planned.inputs.context_gib == find_card("gtx1650").context_gib
+    assert planned.budget_gib == find_card("gtx1650").budget_gib() and planned.fits
+
+
+def test_an_explicit_budget_wins_over_the_card_and_the_course_card_is_the_fallback():
+    assert budget_of(RunConfig(card="t4", budget_gib=5.0)) == 5.0
+    assert budget_of(RunConfig(card="t4")) == 14.75  # no desktop on a T4
+    assert budget_of(RunConfig()) is None
+    assert budget_of(RunConfig(), course_card=True) == find_card("gtx1650").budget_gib()
+    assert budget_of(RunConfig(card="gtx1650", desktop_on_card=False)) == find_card("gtx1650").total_gib
+    assert planning_context_gib(RunConfig(card="gtx1650"), 0.60) == find_card("gtx1650").context_gib
+    assert planning_context_gib(RunConfig(), 0.60) == 0.60
+
+
+def test_the_memory_warning_sits_below_the_cards_total():
+    assert warn_line_gib(RunConfig()) < find_card("gtx1650").total_gib
+    assert warn_line_gib(RunConfig(card="rtx3050-8gb")) < find_card("rtx3050-8gb").total_gib
+    assert warn_line_gib(RunConfig(vram_warn_gib=3.0)) == 3.0
+
+
+def test_a_generic_card_and_a_wrong_name():
+    six = find_card("6 GiB")
+    assert six.total_gib == 6.0 and six.capability == (7, 5)
+    with pytest.raises(ValueError, match="gtx1650.*'<N> GiB'"):
+        find_card("gtx1660")
+
+
+def test_committed_gpu_points_planned_from_a_cpu_are_within_ten_percent():
+    """bench/planner_from_cpu.py on every committed H200 point of today's path, as a machine without the GPU plans
+    them (`plan --gpu-capability 9.0`): issue 26 asks for every point within +-10% and the mean within 4%."""
+    sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+    from planner_from_cpu import rows
+
+    points = rows()
+    assert len(points) >= 60
+    errors = [abs(p["error_pct"]) for p in points]
+    assert max(errors) <= 10.0, max(points, key=lambda p: abs(p["error_pct"]))
+    assert sum(errors) / len(errors) <= 4.0
