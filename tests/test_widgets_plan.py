@@ -5,7 +5,10 @@ import re
 import pytest
 
 from nb_helpers.plan.planner import load_shape
-from nb_helpers.ui.widgets import COURSE_CARD_GIB, TRAIN_FIELDS, config_widgets, plan_widget
+from nb_helpers.plan.cards import COURSE_CARD, find_card
+from nb_helpers.ui.widgets import TRAIN_FIELDS, config_widgets, plan_widget
+
+COURSE_CARD_GIB = find_card(COURSE_CARD).budget_gib()  # the course's GTX 1650: 3.81 GiB less the desktop's 0.35
 
 
 def shown_peak(view) -> float:
@@ -23,7 +26,7 @@ def test_verdict_line_budget_source_and_breakdown(tiny_model_dir, tiny_cfg):
     text = view.widget.value
     assert view.plan is not None and view.plan.budget_gib == COURSE_CARD_GIB
     assert "fits</b>" in text and "does not fit" not in text and "color:#080" in text
-    assert "4 GB card this course targets" in text
+    assert "GTX 1650 (4 GB): 3.81 GiB as PyTorch reports it" in text and "set cfg.card for yours" in text
     assert ("GTX 1650-class" in text) != torch.cuda.is_available()
     assert "CUDA context</td>" in text and "LM head + loss (fused)" in text and "total</b>" in text
     assert abs(shown_peak(view) - view.plan.peak_gib) < 0.006
@@ -34,6 +37,8 @@ def test_verdict_line_budget_source_and_breakdown(tiny_model_dir, tiny_cfg):
     view = plan_widget(tiny_cfg, tiny_model_dir)  # a model folder works too (read once)
     assert "does not fit" in view.widget.value and "color:#b00" in view.widget.value
     assert "budget 0.40 GiB: cfg.budget_gib" in view.widget.value
+    tiny_cfg.budget_gib, tiny_cfg.card = None, "t4"  # a named card: its budget (no desktop on a T4)
+    assert "budget 14.75 GiB: Tesla T4" in plan_widget(tiny_cfg, tiny_model_dir).widget.value
     given = plan_widget(tiny_cfg, tiny_model_dir, budget_gib=8.0).widget.value  # the argument beats cfg.budget_gib
     assert "fits</b>" in given and "does not fit" not in given and "budget 8.00 GiB: given to plan_widget" in given
 

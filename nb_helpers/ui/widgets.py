@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 import html
 
-from nb_helpers.config import COURSE_CARD_GIB, ConfigError, RunConfig
+from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.plan.planner import plan_for_config
+from nb_helpers.plan.cards import COURSE_CARD, budget_of, find_card, run_card
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -245,12 +246,14 @@ class PlanView:
         self.update(cfg)
 
     def budget_for(self, cfg: RunConfig) -> tuple[float, str]:
-        """The budget and where it comes from: the argument, else cfg.budget_gib, else the course's 4 GB card."""
+        """The budget and where it comes from: the argument, else cfg.budget_gib, else cfg.card's, else the course's
+        GTX 1650 (plan/cards.py)."""
         if self.budget_gib is not None:
             return self.budget_gib, "given to plan_widget"
-        if cfg.budget_gib is not None:
-            return cfg.budget_gib, "cfg.budget_gib"
-        return COURSE_CARD_GIB, "the 4 GB card this course targets (set cfg.budget_gib for another card)"
+        card = run_card(cfg) or (None if cfg.budget_gib is not None else find_card(COURSE_CARD))
+        source = "cfg.budget_gib" if card is None else card.describe(cfg.desktop_on_card) + (
+            "" if cfg.card else "; the course's card: set cfg.card for yours")
+        return budget_of(cfg, course_card=True), source
 
     def update(self, cfg: RunConfig) -> None:
         from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
@@ -259,8 +262,9 @@ class PlanView:
         try:
             if self.shape is None:
                 raise ValueError(self.shape_error or "no model shape: pass load_shape(model path)")
-            planned = plan_for_config(cfg, self.shape, context_gib=self.context_gib,
-                                      gpu_capability=self.capability or (7, 5))
+            card = run_card(cfg)  # a named card brings its own capability and context
+            planned = plan_for_config(cfg, self.shape, context_gib=None if card else self.context_gib,
+                                      gpu_capability=None if card else self.capability or (7, 5))
             result = graphs_dropped_unless_they_fit(planned, budget)  # what a run on that card would use
         except Exception as e:  # noqa: BLE001 - a widget callback must not raise; say why instead
             self.plan = None
