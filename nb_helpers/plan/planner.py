@@ -266,7 +266,10 @@ def gpu_extras_on(gpu_capability: tuple[int, int] | None, gpu_extras: bool | Non
 
     if gpu_extras is not None:
         return gpu_extras
-    here = cuda_capability()
+    try:
+        here = cuda_capability()
+    except (RuntimeError, AssertionError):  # a torch without CUDA support: no GPU here
+        here = None
     return kernels_installed() if here is not None and gpu_capability in (None, here) else True
 
 

@@ -8,7 +8,7 @@ import html
 
 from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.plan.planner import plan_for_config
-from nb_helpers.plan.cards import COURSE_CARD, budget_of, find_card, run_card
+from nb_helpers.plan.cards import CARDS, COURSE_CARD, budget_of, find_card, run_card
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -23,10 +23,12 @@ CONTROLS = {
     "max_steps": ("int", None, "max steps (-1=epochs)"),
     "num_train_epochs": ("floattext", None, "epochs"),
     "gradient_checkpointing": ("bool", None, "gradient checkpointing"),
+    # plans (and on a bigger GPU, the budget) follow it; unset = the course's GTX 1650 in plans, no cap in training
+    "card": ("dropdown", [None, *CARDS], "your card"),
 }
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout")
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "card")
 TRAIN_FIELDS = ("lora_r", "lora_alpha", "grad_accum", "micro_batch_size", "max_length", "gradient_checkpointing",
-                "learning_rate", "max_steps", "num_train_epochs")
+                "learning_rate", "max_steps", "num_train_epochs", "card")
 RECIPE_ALPHA_PER_RANK = 2  # the reference recipe's alpha = 2r: the update's scale alpha/r stays 2 whatever r is
 # Wide enough for the longest label and a slider track a mouse can aim at (the defaults cut labels, ~54 px tracks)
 LABEL_WIDTH, CONTROL_WIDTH = "190px", "560px"
@@ -48,6 +50,10 @@ def _make(kind, options, description, value):
         return w.IntText(value=value, **common)
     if kind == "bool":
         return w.Checkbox(value=bool(value), **common)
+    if kind == "dropdown":  # a card's name shown, its key kept; "" stands for None (a Dropdown's None is no choice)
+        labels = [("not set (plans: the course's GTX 1650)", "")] + [(CARDS[v].name, v) for v in options if v]
+        extra = [] if value in options else [(str(value), value)]
+        return w.Dropdown(options=labels + extra, value=value or "", **common)
     return w.FloatText(value=value, **common)
 
 
@@ -115,6 +121,8 @@ class _Binding:
         if self.syncing:
             return
         cfg, value = self.cfg, change["new"]
+        if name == "card":
+            value = value or None
         if name == "target_modules":  # the config's order for the layers it keeps: a reselection changes nothing
             value = [t for t in cfg.target_modules if t in value] + [t for t in value if t not in cfg.target_modules]
         changes = {name: value}
@@ -204,6 +212,8 @@ def _panel_class():
 
 def _shown(control) -> str:
     value = control.value
+    if isinstance(control.value, str) and hasattr(control, "label"):  # a dropdown shows its label
+        return control.label
     return ", ".join(value) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
