@@ -5,7 +5,7 @@ Model: the TinyLlama-1.1B shape with random weights (bench/build_tinyllama_shape
 token; the loss is meaningless as a score, but the same data and seed give the same loss curve to both recipes).
 Workloads, all at effective batch 8 sequences:
   w512     8 x 512 tokens (rows 1-16 tokens shy of the length, so micro-batches above 1 carry padding)
-  w2048    8 x 2048 tokens (the same); the busy share of the GPU is profiled here (torch.profiler)
+  w2048    8 x 2048 tokens (the same)
   shipped  data/train.jsonl (about 110 tokens a row, loss on the answers only)
 
 For each workload: the reference (1 x 8, GC, paged_adamw_8bit, r=8 on q,k,v,o, no prepare_model_for_kbit_training),
@@ -13,7 +13,10 @@ our path at the reference's own settings set by hand (1 x 8, GC: the lean path, 
 with cuda_graphs=True: what graphs cost and give there) and our default (auto-fit picks the micro-batch and CUDA
 graphs for the budget, keeping the effective batch). --levers adds one run per speed lever, each alone.
 Reported: median step seconds over the steps after warm-up, non-padding tokens/s, the ratio to the reference,
-peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses.
+peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses, and
+for the reference and our default on every workload the GPU-busy microseconds per token of one profiled step
+(torch.profiler: the union of kernel and copy intervals, over that step's non-padding tokens; the time a GPU that
+is never idle would need). --turing adds the GTX 1650 card (cards.py) with auto-fit, bf16 against fp16.
 
     python bench/throughput.py                       # writes bench/results/throughput.json, prints a table
     python bench/throughput.py --workloads w512 --levers --out /tmp/t.json
@@ -46,9 +49,8 @@ def main_runs(workload: str, steps: int) -> list[dict]:
     loss_steps = max(steps, 20 + WARMUP) if workload == "shipped" else steps  # 20 losses to compare
     ref = dict(workload=workload, recipe="reference", batch=1, accum=8, gc=True, steps=loss_steps)
     runs = [dict(ref, name="reference"), dict(ref, name="ours", recipe="ours", auto_fit=True)]
-    if workload == "w2048":  # the profiled last step is not timed: one more step keeps 10 timed
-        for run in runs:
-            run.update(profile=True, steps=run["steps"] + 1)
+    for run in runs:  # GPU-busy time per token on every workload; the profiled last step is not timed: one more
+        run.update(profile=True, steps=run["steps"] + 1)  # step keeps 10 timed
     # RunConfig(fast_path=False): our course's code on the plain stack, which must be the reference's run (same losses,
     # same memory); the reference's steps and profiling, so every loss and the same measurement are compared
     runs.append(dict(runs[0], name="ours-plain-1x8", recipe="ours", fast_path=False))
@@ -56,6 +58,16 @@ def main_runs(workload: str, steps: int) -> list[dict]:
         runs.append(dict(ref, name="ours-1x8", recipe="ours", steps=8))
         runs.append(dict(ref, name="ours-1x8-graphs", recipe="ours", steps=8, cuda_graphs=True))
     return runs
+
+
+def turing_runs(workload: str, steps: int) -> list[dict]:
+    """The GTX 1650 card emulated (nb_helpers.plan.cards: its total, context and desktop reserve), auto-fit, bf16
+    against fp16 (what Turing computes in) in the same call: memory, speed, losses, busy time per token."""
+    if workload == "shipped":
+        return []
+    return [dict(workload=workload, recipe="ours", name=f"ours-{dtype}-gtx1650", batch=1, accum=8, gc=True,
+                 steps=steps + 1, auto_fit=True, card="gtx1650", dtype=dtype, profile=True)
+            for dtype in ("bfloat16", "float16")]
 
 
 def lever_runs(steps: int) -> list[dict]:
@@ -333,7 +345,8 @@ def ours_worker(spec: dict) -> dict:
     cfg = RunConfig(model=spec["model"], train_file=spec["data"], eval_file=None, task_eval_samples=0,
                     max_length=spec["seq"], micro_batch_size=spec["batch"], grad_accum=spec["accum"],
                     gradient_checkpointing=spec["gc"], max_steps=spec["steps"], save_steps=10_000,
-                    budget_gib=spec["budget"], auto_fit=spec.get("auto_fit", False), compute_dtype="bfloat16",
+                    budget_gib=None if spec.get("card") else spec["budget"], card=spec.get("card"),
+                    auto_fit=spec.get("auto_fit", False), compute_dtype=spec.get("dtype", "bfloat16"),
                     cuda_graphs=spec.get("cuda_graphs"), fast_path=spec.get("fast_path", True),
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
@@ -369,6 +382,10 @@ def summarize(spec: dict, result: dict) -> dict:
     timed = records[WARMUP:spec["steps"] - (1 if spec.get("profile") else 0)]
     step_s = statistics.median(r["step_s"] for r in timed) if timed else None
     tokens = statistics.median(r["tokens"] for r in timed) if timed else None
+    busy = result.get("busy")
+    if busy and spec.get("profile") and records:  # the profiled step's own tokens (the last step unless asked)
+        profiled = records[min(spec.get("profile_step", spec["steps"] - 1), len(records) - 1)]
+        busy["us_per_token"] = busy["busy_s"] * 1e6 / profiled["tokens"] if profiled.get("tokens") else None
     device = [r["device_used_gib"] for r in records if r.get("device_used_gib") is not None]
     reserved = [r["torch_peak_gib"] for r in records if r.get("torch_peak_gib") is not None]
     allocated = [r["torch_peak_allocated_gib"] for r in records if r.get("torch_peak_allocated_gib") is not None]
@@ -403,6 +420,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w512,w2048,shipped")
     parser.add_argument("--levers", action="store_true", help="also run each speed lever alone (8 x 1)")
+    parser.add_argument("--turing", action="store_true", help="also the GTX 1650 card, auto-fit, bf16 and fp16")
     parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
     parser.add_argument("--steps", type=int, default=WARMUP + 10)
     parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
@@ -443,6 +461,8 @@ def main() -> None:
     keep = set(args.only.split(",")) if args.only else None
     workloads = args.workloads.split(",")
     plan = [spec for workload in workloads for spec in main_runs(workload, args.steps)]
+    if args.turing:
+        plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
     if args.levers:
         plan += [spec for spec in lever_runs(args.steps) if spec["workload"] in workloads]
     for spec in plan:
@@ -513,14 +533,16 @@ def plain_vs_reference(runs: dict) -> dict | None:
 def print_table(out: dict) -> None:
     print(f"\n{out['gpu']} | budget {out['budget_gib']} GiB incl. context | {out['date']}")
     print(f"{'workload':<9}{'run':<28}{'mbxacc':>7}{'s/step':>8}{'tok/s':>8}{'x ref':>6}{'dev GiB':>8}{'res GiB':>8}"
-          f"{'busy':>6}  losses")
+          f"{'busy':>6}{'us/tok':>7}  losses")
     for workload, entry in out["workloads"].items():
         for name, r in entry["runs"].items():
             busy = (r.get("busy") or {}).get("busy_share")
+            per_token = (r.get("busy") or {}).get("us_per_token")
             print(f"{workload:<9}{name:<28}{str(r.get('micro_batch', '?')) + 'x' + str(r.get('accum', '?')):>7}"
                   f"{r.get('median_step_s') or float('nan'):8.3f}{r.get('tokens_per_s') or 0:8.0f}"
                   f"{r.get('ratio_to_reference') or float('nan'):6.2f}{r.get('peak_device_gib') or float('nan'):8.2f}"
                   f"{r.get('peak_reserved_gib') or float('nan'):8.2f}{busy if busy is not None else float('nan'):6.2f}"
+                  f"{per_token if per_token is not None else float('nan'):7.1f}"
                   f"  {' '.join(f'{x:.2f}' for x in (r.get('losses') or [])[:4])}")
         if entry.get("plain_vs_reference"):
             print(f"{workload:<9}fast_path=False against the reference: {entry['plain_vs_reference']}")
