@@ -7,7 +7,11 @@
 
 import logging
 
+from nb_helpers.safety.hub import decide_offline
+
 __version__ = "0.1.0"
+
+decide_offline()  # before any hub library reads HF_HUB_OFFLINE at its import: without the Hub, fail fast from the cache
 
 # bitsandbytes on AVX512-BF16 CPUs suggests `pip install kernels`, which would fetch an inference-only kernel from the
 # Hugging Face Hub. Training does not use it (models.keep_cpu_weights_trainable), so the hint only confuses; every

@@ -31,6 +31,11 @@ def cmd_config(args) -> int:
     return 0
 
 
+def run_config(args) -> RunConfig:
+    """The config `train` runs for these options: --config (else this machine's default config), then each --set."""
+    return apply_sets(RunConfig.load(args.config) if args.config else default_config(), args.set)
+
+
 def cmd_train(args) -> int:
     """One process, or one of several under `accelerate launch` (then rank 0 alone prints and writes)."""
     from nb_helpers import distributed
@@ -42,28 +47,28 @@ def cmd_train(args) -> int:
         if args.resume:
             run_dir = train(RunConfig(), resume_from=args.resume)
         else:
-            cfg = RunConfig.load(args.config) if args.config else default_config()
-            run_dir = train(apply_sets(cfg, args.set))
+            run_dir = train(run_config(args))
     summary = json.loads((run_dir / "summary.json").read_text())
     distributed.finish()
     return 0 if summary.get("status") == "completed" else 1
 
 
 def cmd_validate_data(args) -> int:
-    """Check a JSONL dataset: FILE:LINE: problem — fix. Exit 0 clean (warnings allowed), 1 errors, 2 unreadable."""
+    """Check a JSONL dataset: FILE:LINE: problem — fix. Exit 0 clean (warnings allowed), 1 errors, 2 unreadable.
+    Lengths are counted as `train` with the same --config/--set would count them: its max_length, its model."""
     from nb_helpers.data import check_jsonl
     from nb_helpers.models import embedded_model_dir, load_tokenizer
 
-    tokenizer = None
-    if args.model:
-        tokenizer = load_tokenizer(args.model)
-    elif (embedded_model_dir() / "tokenizer.json").exists():
-        tokenizer = load_tokenizer(str(embedded_model_dir()))
-    report = check_jsonl(args.path, completion_only_loss=not args.all_tokens, tokenizer=tokenizer,
-                         max_length=args.max_length)
+    cfg = run_config(args) if args.max_length is None else run_config(args).replace(max_length=args.max_length)
+    embedded = embedded_model_dir() if (embedded_model_dir() / "tokenizer.json").exists() else None
+    model = args.model or cfg.model or embedded
+    tokenizer = load_tokenizer(str(model)) if model else None
+    report = check_jsonl(args.path, completion_only_loss=cfg.completion_only_loss and not args.all_tokens,
+                         tokenizer=tokenizer, max_length=cfg.max_length)
     print(report.text(limit=args.limit))
-    if tokenizer is None:
-        print("(length check skipped: pass --model to count tokens with your model's tokenizer)")
+    where = "--max-length" if args.max_length is not None else "the config `train` runs with these options"
+    print(f"(lengths counted against max_length {cfg.max_length}, from {where})" if tokenizer else
+          "(length check skipped: pass --model to count tokens with your model's tokenizer)")
     return report.exit_code
 
 
@@ -140,9 +145,10 @@ def cmd_clean_notebooks(args) -> int:
     """Strip outputs, execution counts and widget state, the way notebooks are committed."""
     import nbformat
 
+    from nb_helpers.safety.notebook_files import read_notebooks
+
     paths = [Path(p) for p in args.paths] or sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
+    for path, nb in read_notebooks(paths):  # every one read before any is rewritten
         for cell in nb.cells:
             if cell.cell_type == "code":
                 cell.outputs, cell.execution_count = [], None
@@ -178,8 +184,10 @@ def _add_train(sub) -> None:
 def _add_validate_data(sub) -> None:
     p = sub.add_parser("validate-data", help="check a JSONL dataset (exit 0 clean, 1 errors, 2 unreadable)")
     p.add_argument("path")
-    p.add_argument("--model", help="tokenizer to count tokens with (default: the embedded model's, if present)")
-    p.add_argument("--max-length", type=int, default=RunConfig().max_length, help="warn about rows longer than this")
+    p.add_argument("--model", help="tokenizer to count tokens with (default: the config's model, else the embedded one)")
+    p.add_argument("--config", help="JSON config file whose max_length and model to check against (see `config`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob, as for train")
+    p.add_argument("--max-length", type=int, help="warn about rows longer than this (default: the config's)")
     p.add_argument("--all-tokens", action="store_true", help="loss on all tokens (completion_only_loss=False)")
     p.add_argument("--limit", type=int, default=200, help="most problems to print")
     p.set_defaults(func=cmd_validate_data)

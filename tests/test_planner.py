@@ -181,7 +181,7 @@ def test_plan_cli_bad_input_is_one_clear_line(capsys, tmp_path):
     from nb_helpers.cli import main
 
     assert main(["plan", "--model", str(tmp_path / "missing"), "--budget", "4"]) == 2
-    assert "cannot read its config.json" in capsys.readouterr().err
+    assert "no such folder" in capsys.readouterr().err  # checked with the settings, before any hub lookup
     (tmp_path / "config.json").write_text(json.dumps(
         {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 100}))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from nb_helpers.config import COURSE_CARD_GIB, ConfigError, RunConfig, apply_sets
+from nb_helpers.config import ConfigError, RunConfig, apply_sets
+from nb_helpers.plan.cards import COURSE_CARD, card_names, run_card
 
 
 PLAN_DOES_NOT_FIT = 3
@@ -17,10 +18,14 @@ def plan_config(args) -> RunConfig:
     for name, value in (("--seq", args.seq), ("--batch", args.batch), ("--accum", args.accum), ("--rank", args.rank)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} {value}: must be >= 1")
+    if args.context_gib is not None and not 0 <= args.context_gib < 100:  # NaN fails too
+        raise ConfigError(f"--context-gib {args.context_gib}: the CUDA context in GiB, 0 or more; try 0.3")
+    if not 0 < args.labelled_fraction <= 1:
+        raise ConfigError(f"--labelled-fraction {args.labelled_fraction}: a share of tokens, above 0 and at most 1")
     cfg = RunConfig.load(args.config) if args.config else RunConfig()
     flags = {"model": args.model, "max_length": args.seq, "micro_batch_size": args.batch, "grad_accum": args.accum,
              "lora_r": args.rank, "optim": args.optim, "compute_dtype": args.dtype, "lora_dropout": args.dropout,
-             "budget_gib": args.budget}
+             "budget_gib": args.budget, "card": args.card}
     changes = {k: v for k, v in flags.items() if v is not None}
     if args.targets:
         changes["target_modules"] = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -29,7 +34,18 @@ def plan_config(args) -> RunConfig:
     if args.no_double_quant:
         changes["double_quant"] = False
     cfg = apply_sets(RunConfig.from_dict({**cfg.to_dict(), **changes}), args.set)
-    return cfg if cfg.budget_gib is not None else cfg.replace(budget_gib=COURSE_CARD_GIB)
+    # no budget and no card: the course's card (a GTX 1650), whatever GPU this machine has
+    return cfg if cfg.budget_gib is not None or cfg.card else cfg.replace(card=COURSE_CARD)
+
+
+def gpu_capability(text: str | None) -> tuple[int, int] | None:
+    """--gpu-capability "7.5" -> (7, 5); None: this GPU's, else the course card's."""
+    if not text:
+        return None
+    major, dot, minor = text.strip().partition(".")
+    if not (major.isdigit() and dot and minor.isdigit()):
+        raise ConfigError(f"--gpu-capability {text!r}: use MAJOR.MINOR, e.g. 7.5 for a GTX 1650 or 8.6 for an RTX 3050")
+    return int(major), int(minor)
 
 
 def cmd_plan(args) -> int:
@@ -37,7 +53,7 @@ def cmd_plan(args) -> int:
     from nb_helpers.plan.choose import auto_fit, graphs_dropped_unless_they_fit
     from nb_helpers.plan.planner import default_context_gib, load_shape, plan_for_config
 
-    cfg = plan_config(args)
+    cfg, capability = plan_config(args), gpu_capability(args.gpu_capability)
     model = cfg.model
     if model is None:
         from nb_helpers.models import resolve_model
@@ -50,11 +66,12 @@ def cmd_plan(args) -> int:
     except Exception as e:  # noqa: BLE001 - a missing folder, an unreachable hub: one line, not a traceback
         raise ConfigError(f"--model {model}: cannot read its config.json ({e}); give a local model folder, "
                           "a path to config.json or a hub id") from None
-    capability = tuple(int(x) for x in args.gpu_capability.split(".")) if args.gpu_capability else None
-    context = args.context_gib if args.context_gib is not None else default_context_gib()
+    card = run_card(cfg)  # a card brings its context and capability; the flags still override them
+    context = args.context_gib if args.context_gib is not None else card.context_gib if card else default_context_gib()
+    extras = False if args.no_gpu_extras else None
     try:
         planned = plan_for_config(cfg, shape, context_gib=context, gpu_capability=capability,
-                                  labelled_fraction=args.labelled_fraction)
+                                  labelled_fraction=args.labelled_fraction, gpu_extras=extras)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # a run drops CUDA graphs its budget cannot hold: plan what it runs (auto-fit below weighs both itself)
@@ -64,6 +81,8 @@ def cmd_plan(args) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(f"model {shape.name or model}: {shape.describe()}")
+        if card is not None and args.budget is None:
+            print(f"card {card.describe(cfg.desktop_on_card)} (--card to change, --budget to set GiB)")
         print(f"seq {inp.seq} | micro-batch {inp.batch} x accumulation {inp.accum} | r={inp.rank} on "
               f"{','.join(inp.targets)} | GC {'on' if inp.gradient_checkpointing else 'off'} | {inp.optim} | "
               f"{inp.compute_dtype} | context {context:.2f} GiB | compute capability "
@@ -74,7 +93,8 @@ def cmd_plan(args) -> int:
         if args.auto_fit:
             try:
                 fitting = plan_for_config(cfg.replace(auto_fit=True), shape, context_gib=context,  # graphs weighed
-                                          gpu_capability=capability, labelled_fraction=args.labelled_fraction)
+                                          gpu_capability=capability, labelled_fraction=args.labelled_fraction,
+                                          gpu_extras=extras)
                 choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
@@ -93,16 +113,20 @@ def add_plan(sub) -> None:
     p.add_argument("--batch", type=int, help="micro-batch: sequences per forward pass (default: the config's, 1)")
     p.add_argument("--accum", type=int, help="gradient accumulation steps (default: the config's, 8)")
     p.add_argument("--rank", type=int, help="LoRA rank r (default: the config's, 8)")
-    p.add_argument("--budget", type=float, help="GiB the card has, CUDA context included (default: the config's "
-                   "budget_gib, else 4)")
+    p.add_argument("--budget", type=float, help="GiB the run may use, CUDA context included (default: the config's "
+                   "budget_gib, else its card's)")
+    p.add_argument("--card", help=f"the card to plan for: {', '.join(card_names())} (default: the config's, "
+                   f"else {COURSE_CARD})")
+    p.add_argument("--no-gpu-extras", action="store_true", help="plan a GPU without liger-kernel (default: with it, "
+                   "as make installs it beside an NVIDIA driver; this machine's own GPU: as installed here)")
     p.add_argument("--targets", help="comma list, or all-linear (default: the config's, q,k,v,o; Phi's fused layers "
                    "are found from these names)")
     p.add_argument("--no-gc", action="store_true", help="without gradient checkpointing")
     p.add_argument("--context-gib", type=float, default=None,
-                   help="CUDA context size (default: measured on this GPU, else 0.30 for consumer cards)")
+                   help="CUDA context size (default: the card's, else measured on this GPU, else 0.30)")
     p.add_argument("--optim", help="paged_adamw_8bit, adamw_8bit, adamw_torch, ... (default: the config's)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (default: by compute capability)")
-    p.add_argument("--gpu-capability", help="e.g. 7.5 for a GTX 1650 (default: this GPU, else 7.5)")
+    p.add_argument("--gpu-capability", help="e.g. 7.5 for a GTX 1650 (default: the card's, else this GPU's, else 7.5)")
     p.add_argument("--dropout", type=float, help="LoRA dropout (0 saves its masks; default: the config's, 0.05)")
     p.add_argument("--no-double-quant", action="store_true", help="fp32 quantization constants")
     p.add_argument("--labelled-fraction", type=float, default=1.0,
