@@ -7,13 +7,11 @@ import os
 import platform
 import shutil
 import sys
-import urllib.request
 from dataclasses import dataclass, field
 
 from nb_helpers.config import PROJECT_ROOT, default_config
 from nb_helpers.plan.dtypes import compute_dtype_for, cpu_report, cuda_capability, dtype_reason
-
-HUB_URL = "https://huggingface.co/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+from nb_helpers.safety.hub import hub_answers
 
 
 @dataclass
@@ -49,14 +47,11 @@ class EnvReport:
 
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
-    """True when the Hugging Face Hub answers. Honours HF_HUB_OFFLINE=1 without touching the network."""
+    """True when the Hugging Face Hub answers. Honours HF_HUB_OFFLINE=1 (set by nb_helpers itself when the Hub did
+    not answer at import: safety/hub.py) without touching the network."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
         return False
-    try:
-        with urllib.request.urlopen(HUB_URL, timeout=timeout) as response:
-            return response.status < 500
-    except Exception:  # DNS failure, refused, timeout, proxy: all mean "not usable now"
-        return False
+    return hub_answers(timeout)
 
 
 def bnb_roundtrip(device: str) -> tuple[bool, str]:
