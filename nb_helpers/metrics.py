@@ -12,6 +12,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from nb_helpers.plan.memory import memory_snapshot
+from nb_helpers.safety.metrics_lines import note_skipped, parse_metrics
 
 
 def _sync() -> None:
@@ -96,21 +97,9 @@ class MetricsCallback(TrainerCallback):
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Read metrics.jsonl; a half-written last line (killed mid-write) is skipped, not fatal."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number != len(lines):
-                raise ValueError(f"{path}:{number}: corrupt metrics line (not the last one) — "
-                                 "the file was edited or two runs wrote to it; start a new run folder")
+    """Read metrics.jsonl; a line that is not a record (the last one, cut short by a kill) is skipped with a note."""
+    records, bad = parse_metrics(Path(path))
+    note_skipped(Path(path), bad)
     return records
 
 

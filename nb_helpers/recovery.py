@@ -3,7 +3,6 @@ written, hands back what it can, and says what to change; training.guard_trainin
 
 from __future__ import annotations
 
-import errno
 import gc
 import math
 import shutil
@@ -11,8 +10,10 @@ from pathlib import Path
 
 from nb_helpers import distributed
 from nb_helpers.frontend import resume_hint
-from nb_helpers.metrics import read_metrics
 from nb_helpers.runs import write_jsonl
+from nb_helpers.safety.checkpoints import newest_complete, save_checkpoint_now
+from nb_helpers.safety.metrics_lines import parse_metrics, set_aside
+from nb_helpers.safety.write_errors import as_write_failure
 from nb_helpers.summary import write_summary
 
 
@@ -83,9 +84,9 @@ def save_adapter(model, tokenizer, run_dir: Path) -> Path:
     try:
         model.save_pretrained(partial)  # adapter weights only, as safetensors
         tokenizer.save_pretrained(partial)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as a bare Exception
         shutil.rmtree(partial, ignore_errors=True)
-        raise RuntimeError(disk_advice(run_dir, e, "the adapter")) from e
+        raise as_write_failure(e, run_dir, "the adapter")
     old = run_dir / "adapter.old"
     if target.exists():
         target.rename(old)
@@ -94,42 +95,26 @@ def save_adapter(model, tokenizer, run_dir: Path) -> Path:
     return target
 
 
-def is_disk_full(error: OSError) -> bool:
-    return error.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def disk_advice(run_dir: Path, error: OSError, what: str) -> str:
-    last = last_checkpoint(run_dir)
-    kept = f"the last complete checkpoint ({last}) is intact" if last else "no complete checkpoint exists yet"
-    reason = "the disk is full" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
-    return (f"could not save {what} in {run_dir}: {reason}. Nothing already saved was touched: {kept}, and "
-            f"metrics.jsonl keeps every finished step. Free some space (`df -h`), then resume with "
-            f"`python -m nb_helpers train --resume {run_dir}`.")
-
-
 def last_checkpoint(run_dir: Path) -> Path | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    folder = run_dir / "checkpoints"
-    found = get_last_checkpoint(str(folder)) if folder.is_dir() else None
-    return Path(found) if found else None
+    """The newest complete checkpoint: one that a kill or a full disk cut short does not count."""
+    return newest_complete(run_dir / "checkpoints")[0]
 
 
 def split_metrics_at(run_dir: Path, step: int) -> None:
     """Resuming from checkpoint N: lines after step N move to metrics.after-checkpoint.jsonl (kept, not lost)."""
     path = run_dir / "metrics.jsonl"
-    records = read_metrics(path)
-    keep = [r for r in records if r["step"] <= step]
-    later = [r for r in records if r not in keep]
+    records, unreadable = parse_metrics(path)
+    later = [r for r in records if r["step"] > step]
     if later:
-        write_jsonl(run_dir / "metrics.after-checkpoint.jsonl", later)
-    write_jsonl(path, keep)
+        write_jsonl(run_dir / "metrics.after-checkpoint.jsonl", later, mode="a")  # a second resume adds, never replaces
+    set_aside(run_dir, path, unreadable)
+    write_jsonl(path, [r for r in records if r["step"] <= step])
 
 
 def checkpoint_on_interrupt(trainer, run_dir: Path) -> None:
     """A checkpoint at the last finished step makes `--resume` continue exactly from where Ctrl-C stopped."""
     try:
-        trainer._save_checkpoint(trainer.model, None)
+        save_checkpoint_now(trainer, run_dir)
     except Exception as e:  # never lose the run over a failed extra save
         print(f"[run] could not write a checkpoint on interrupt ({e}); the last periodic one is kept")
     print(f"[run] interrupted at step {trainer.state.global_step}: adapter saved as it is now; "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nb_helpers.config import RunConfig
 from nb_helpers.metrics import read_metrics
+from nb_helpers.safety.run_names import is_ours
 
 
 def runs_root(cfg: RunConfig) -> Path:
@@ -34,8 +35,11 @@ def new_run_dir(cfg: RunConfig, model_name: str) -> Path:
 def mark_latest(run_dir: Path) -> None:
     """runs/latest -> newest run. A symlink where the OS allows it, else a text file holding the name."""
     link = run_dir.parent / "latest"
-    if link.is_symlink() or link.is_file():
-        link.unlink()
+    if not is_ours(link):
+        print(f"[run] {link} is a folder or file the course did not write: left alone, so it does not point at "
+              f"{run_dir.name} (rename it to let runs/latest follow the newest run)")
+        return
+    link.unlink(missing_ok=True)
     try:
         link.symlink_to(run_dir.name, target_is_directory=True)
     except OSError:  # Windows without developer mode
@@ -51,7 +55,11 @@ def resolve_run(path: str | Path) -> Path:
 
 def write_json(path: Path, data) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half file beside the old one
+        raise
     tmp.replace(path)  # atomic: a crash mid-write leaves the old file, never half a file
 
 
@@ -95,7 +103,7 @@ def list_runs(root: str | Path) -> list[Path]:
     return sorted(runs, key=lambda p: (p / "config.json").stat().st_mtime)
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+def write_jsonl(path: Path, rows: list[dict], mode: str = "w") -> None:
+    with open(path, mode, encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -10,7 +10,8 @@ train(cfg) composes the same steps for `python -m nb_helpers train`, the tests a
         trainer.train(resume_from_checkpoint=run.checkpoint)
     finish_run(run, trainer)               # NaN restore, adapter/, second eval, summary.json, training.png
 
-The run folder ends with config.json, metrics.jsonl, adapter/, predictions.jsonl, training.png and summary.json.
+The run folder ends with config.json, before_training.json, metrics.jsonl, checkpoints/, adapter/, predictions.jsonl,
+training.png and summary.json; run.lock keeps a second process out while one trains it (nb_helpers.safety).
 
 Under `accelerate launch` (several processes, nb_helpers.distributed) every process runs every step on its own GPU;
 rank 0 alone names the run folder and writes into it, and alone scores the task (generation); the others wait.
@@ -32,9 +33,15 @@ from nb_helpers.lora import attach_lora, parameter_counts
 from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
 from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_model
-from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, disk_advice, is_disk_full, keep_good_adapter,
-                                 last_checkpoint, split_metrics_at, stop_after_oom)
+from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_good_adapter, split_metrics_at,
+                                 stop_after_oom)
 from nb_helpers.runs import mark_latest, new_run_dir, read_json, resolve_run, write_jsonl
+from nb_helpers.safety.before_training import keep_before_training, restore_before_training
+from nb_helpers.safety.checkpoints import checkpoint_to_resume, staged_checkpoints
+from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
+from nb_helpers.safety.run_names import check_run_name
+from nb_helpers.safety.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
+from nb_helpers.safety.write_errors import check_writable, stop_cleanly
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, package_versions, print_summary, write_summary
 from nb_helpers.task_metric import evaluate_task
 from nb_helpers.trainer_setup import adapt_trainer, progress_printer, sft_config
@@ -63,6 +70,7 @@ class TrainingRun:
     oom_step: int | None = None
     finished: bool = False  # finish_run ran: training this run again would append to a finished run folder
     world_size: int = 1  # processes training together (accelerate launch); cfg's batch is each one's share
+    exit_code: int | None = None  # SIGTERM: finish_run saves what Ctrl-C would, then the process exits with this
 
     @property
     def global_batch(self) -> int:
@@ -94,15 +102,15 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
     checkpoint = None
     if resume_dir is not None:
         cfg = RunConfig.load(resume_dir / "config.json")
-        checkpoint = last_checkpoint(resume_dir)
-        if checkpoint is None:
-            raise RuntimeError(f"{resume_dir} has no checkpoint to resume from (checkpoints/ is empty); "
-                               "start a new run instead")
         if read_json(resume_dir / "summary.json").get("status") == "completed":
             raise ConfigError(f"{resume_dir} completed its training: there is nothing to resume (its adapter and "
                               "summary would be rewritten). Set RESUME = None (or leave out --resume) to start a "
                               "new run")
+        take_run_lock(resume_dir)  # before anything loads: a second process resuming this run stops here
+        checkpoint = checkpoint_to_resume(resume_dir, set_aside=distributed.is_main())
     cfg.validate()
+    check_run_name(cfg.run_name if resume_dir is None else None)  # a resumed run keeps the folder it has
+    check_writable(cfg, resume_dir)
     world = distributed.world_size()
     if checkpoint is not None and verbose:
         print(resume_note(checkpoint, world))
@@ -199,13 +207,12 @@ def open_run_folder(run: TrainingRun, listeners=(), verbose: bool = True) -> Pat
         run.run_dir = run.resume_dir
         if main:
             split_metrics_at(run.run_dir, int(run.checkpoint.rsplit("-", 1)[1]))
-        previous = read_json(run.run_dir / "summary.json")
-        run.summary.update({k: previous.get(k) for k in BEFORE_TRAINING_KEYS})
         print(f"[run] resuming {run.run_dir} from {Path(run.checkpoint).name}")
     else:
         run_dir = None
         if main:
             run_dir = new_run_dir(run.cfg, run.choice.name)
+            take_run_lock(run_dir)
             saved_config(run).save(run_dir / "config.json", record={"fast_levers": run.summary.get("fast_levers")})
         run.run_dir = distributed.broadcast(run_dir)
     if main:
@@ -247,9 +254,11 @@ def build_trainer(run: TrainingRun):
 
 def evaluate_before(run: TrainingRun, trainer, verbose: bool = True) -> dict:
     """The base model's task score and eval loss: the adapter starts with B = 0, so the model right now answers
-    exactly like the base model. A resumed run keeps the numbers its first start measured. With several processes
-    rank 0 alone scores the task; the eval loss is computed by all of them, each on its share of the rows."""
-    if run.checkpoint is None:
+    exactly like the base model; the numbers go to before_training.json at once. A resumed run takes its first start's
+    (a run from before that file measures them again: until trainer.train() loads the checkpoint, this is still the
+    base model). With several processes rank 0 alone scores the task; the eval loss is computed by all of them, each
+    on its share of the rows."""
+    if run.checkpoint is None or not restore_before_training(run):
         if run.task_rows and distributed.is_main():
             run.base_answers = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens,
                                              label="scoring the base model")
@@ -259,56 +268,62 @@ def evaluate_before(run: TrainingRun, trainer, verbose: bool = True) -> dict:
             if verbose:
                 print(f"[eval] measuring the base model's eval loss on {len(run.eval_rows)} held-out rows", flush=True)
             run.summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+        if distributed.is_main():
+            keep_before_training(run)
     return {k: run.summary.get(k) for k in BEFORE_TRAINING_KEYS}
 
 
 @contextmanager
 def guard_training(run: TrainingRun, trainer):
-    """Around trainer.train(): Ctrl-C writes a checkpoint at the last finished step and says how to resume; an
-    out-of-memory error is noted for finish_run, which reports it once the error's traceback (which holds the
-    activations) is gone; a full disk writes the summary and says what to free. Other errors pass through."""
+    """Around trainer.train(): Ctrl-C or SIGTERM writes a checkpoint at the last finished step and says how to
+    resume; an out-of-memory error is noted for finish_run, which reports it once the error's traceback (which holds
+    the activations) is gone; a failed write (full disk, read-only, permission) marks the summary "save failed" and
+    says what to do. A checkpoint counts only once complete (nb_helpers.safety.checkpoints). Other errors pass."""
     import torch
 
     if run.finished:
         raise RuntimeError(f"this run is finished ({run.run_dir}): training it again would append to it. To train "
                            "with the sliders' current settings, re-run the notebook from \"Check first, then load\" "
                            "(section 4): that starts a new run folder")
-    try:
-        yield
-    except KeyboardInterrupt:
-        run.summary["status"] = "interrupted"
-        checkpoint_on_interrupt(trainer, run.run_dir)
-    except torch.OutOfMemoryError:
-        run.oom_step = trainer.state.global_step
-    except OSError as e:
-        if not is_disk_full(e):
-            raise
-        run.metrics.close()
-        if distributed.is_main():
-            write_summary(run.run_dir, run.choice.name, {**run.summary, "status": "save failed"})
-        raise RuntimeError(disk_advice(run.run_dir, e, "a checkpoint")) from e
+    with staged_checkpoints(trainer, run.run_dir):
+        try:
+            with sigterm_as_interrupt(), stop_cleanly(run, "a checkpoint or a metrics line"):
+                yield
+        except KeyboardInterrupt as stop:
+            run.summary["status"] = "interrupted"
+            run.exit_code = EXIT_CODE if isinstance(stop, Terminated) else None
+            checkpoint_on_interrupt(trainer, run.run_dir)
+        except torch.OutOfMemoryError:
+            run.oom_step = trainer.state.global_step
 
 
 def finish_run(run: TrainingRun, trainer, verbose: bool = True) -> Path:
     """After trainer.train(): report an out-of-memory stop, keep the last good adapter after a NaN, save adapter/,
-    measure the tuned model, and write summary.json and training.png. Returns the run folder. With several
-    processes rank 0 writes; every process returns once the folder is complete."""
+    measure the tuned model, and write summary.json and training.png, then let go of the run folder's lock. Returns
+    the run folder. With several processes rank 0 writes; every process returns once the folder is complete. After
+    a SIGTERM the process exits (143) once all is saved."""
     if run.finished:
         return run.run_dir  # already finished (a re-run cell): nothing to save again
     run.finished = True
-    if run.oom_step is not None:
-        stop_after_oom(run, trainer)
-    keep_good_adapter(run)
-    if run.summary.get("status", "completed") == "completed":
-        evaluate_after(run, trainer)
-    run.metrics.close()
-    record_processes(run)
-    if distributed.is_main():
-        summary = write_summary(run.run_dir, run.choice.name, run.summary)
-        save_plots(run.run_dir)
-        if verbose:
-            print_summary(summary)
+    try:
+        if run.oom_step is not None:
+            stop_after_oom(run, trainer)
+        with stop_cleanly(run, "the adapter, predictions.jsonl, summary.json or training.png"):
+            keep_good_adapter(run)
+            if run.summary.get("status", "completed") == "completed":
+                evaluate_after(run, trainer)
+            run.metrics.close()
+            record_processes(run)
+            if distributed.is_main():
+                summary = write_summary(run.run_dir, run.choice.name, run.summary)
+                save_plots(run.run_dir)
+                if verbose:
+                    print_summary(summary)
+    finally:
+        release_run_lock(run.run_dir)
     distributed.wait()
+    if run.exit_code is not None:
+        raise SystemExit(run.exit_code)
     return run.run_dir
 
 

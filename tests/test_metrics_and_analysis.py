@@ -1,7 +1,5 @@
 import json
 
-import pytest
-
 from nb_helpers.ui.analysis import flag_problems, reference_table, to_markdown
 from nb_helpers.metrics import median, read_metrics
 
@@ -10,13 +8,14 @@ def step(i, loss=1.0, step_s=1.0, vram=2.0):
     return {"step": i, "epoch": i / 10, "loss": loss, "step_s": step_s, "device_used_gib": vram, "tokens": 100}
 
 
-def test_truncated_last_line_is_skipped_but_corruption_elsewhere_is_not(tmp_path):
+def test_a_line_that_is_not_a_record_is_skipped_with_where_it_is(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(step(1)) + "\n" + json.dumps(step(2)) + "\n" + '{"step": 3, "lo')
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert f"{path}:3: skipped, the last line, cut short" in capsys.readouterr().out
     path.write_text(json.dumps(step(1)) + "\n" + '{"step": 2, "lo' + "\n" + json.dumps(step(3)) + "\n")
-    with pytest.raises(ValueError, match=":2: corrupt metrics line"):
-        read_metrics(path)
+    assert [r["step"] for r in read_metrics(path)] == [1, 3]
+    assert f"{path}:2: skipped, not a metrics record" in capsys.readouterr().out
     assert read_metrics(tmp_path / "missing.jsonl") == []
 
 

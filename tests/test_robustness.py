@@ -289,10 +289,11 @@ def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path, 
     fresh = train(tiny_cfg.replace(max_steps=1, save_steps=50, task_eval_samples=0), verbose=False)
     import shutil
     shutil.rmtree(fresh / "checkpoints", ignore_errors=True)
+    (fresh / "summary.json").unlink()  # killed before its first checkpoint: not completed, nothing to resume from
     from nb_helpers import training
 
     monkeypatch.setattr(training, "load_4bit", lambda *a, **k: pytest.fail("weights loaded before the check"))
-    with pytest.raises(RuntimeError, match="no checkpoint to resume from"):
+    with pytest.raises(ConfigError, match="no checkpoint to resume from"):
         train(RunConfig(), resume_from=fresh, verbose=False)
 
 

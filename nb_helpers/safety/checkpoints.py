@@ -1,0 +1,157 @@
+"""Checkpoints that count only once complete. A kill -9 or a second Ctrl-C during a save, or a full disk, used to
+leave the newest checkpoints/checkpoint-N empty or partial, and `--resume` took it and crashed ("Can't find a valid
+checkpoint") though the one before was intact.
+
+While trainer.train() runs (training.guard_training), the Trainer writes each checkpoint into checkpoints/saving/
+(its own output_dir, a public argument, pointed there), and PublishCheckpoints moves it to checkpoints/checkpoint-N
+once its files are all there, then keeps the newest save_total_limit. A resume takes the newest complete one, says
+which it skipped and why, and moves the incomplete ones to checkpoints/incomplete/ (kept, never read again).
+Completeness is read from the files the Trainer writes (transformers 5): trainer_state.json at the folder's step, the
+adapter as safetensors, and optimizer, scheduler and RNG state, each a whole torch zip archive (checked without
+unpickling anything).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from nb_helpers import distributed
+from nb_helpers.config import ConfigError
+
+STAGING, SET_ASIDE = "saving", "incomplete"  # beside checkpoint-N; neither matches the Trainer's `checkpoint-*`
+PREFIX = "checkpoint-"
+TORCH_ARCHIVES = ("optimizer.pt", "scheduler.pt")
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """None when `folder` holds a whole checkpoint, else what is missing or broken, in a few words."""
+    from safetensors import safe_open
+
+    step = int(folder.name[len(PREFIX):])
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "trainer_state.json is missing or cut short"
+    if state.get("global_step") != step:
+        return f"trainer_state.json is at step {state.get('global_step')}, not {step}"
+    try:
+        with safe_open(folder / "adapter_model.safetensors", "pt") as weights:
+            weights.keys()
+    except Exception:  # noqa: BLE001 - safetensors raises its own error types for a cut-short file
+        return "adapter_model.safetensors is missing or cut short"
+    rng = sorted(folder.glob("rng_state*.pth"))
+    for name in (*TORCH_ARCHIVES, *(p.name for p in rng)):
+        if not zipfile.is_zipfile(folder / name):  # torch.save writes a zip; a cut-short one has no directory
+            return f"{name} is missing or cut short"
+    return None if rng else "rng_state.pth is missing"
+
+
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """checkpoint-N folders, newest step first."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+
+
+def newest_complete(folder: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint, and the newer ones skipped with why."""
+    skipped = []
+    for candidate in checkpoint_folders(folder):
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate, skipped
+        skipped.append((candidate, problem))
+    return None, skipped
+
+
+def checkpoint_to_resume(run_dir: Path, set_aside: bool = True) -> Path:
+    """The checkpoint a resume continues from: the newest complete one. The incomplete ones after it are named with
+    why and (by the one process that writes the run folder) moved to checkpoints/incomplete/, where neither resume
+    nor the Trainer's clean-up of old checkpoints reads them."""
+    folder = Path(run_dir) / "checkpoints"
+    found, skipped = newest_complete(folder)
+    for path, problem in skipped:
+        note = f"moved to {folder.name}/{SET_ASIDE}/ (delete it to free the space)" if set_aside else "left in place"
+        print(f"[resume] skipping {path.name}: {problem}; {note}")
+        if set_aside:
+            target = folder / SET_ASIDE / path.name
+            shutil.rmtree(target, ignore_errors=True)
+            target.parent.mkdir(exist_ok=True)
+            path.rename(target)
+    if found is None:
+        raise ConfigError(f"{run_dir} has no checkpoint to resume from ({folder} holds no complete one); start a new "
+                          "run instead")
+    return found
+
+
+def publish(folder: Path, step: int, keep: int | None) -> Path:
+    """Move the staged checkpoint-`step` to checkpoints/ once it is whole; drop the oldest beyond `keep`."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    distributed.wait()  # every process has written its share (each its own RNG state)
+    staged, final = folder / STAGING / f"{PREFIX}{step}", folder / f"{PREFIX}{step}"
+    if distributed.is_main():
+        source = staged if staged.is_dir() else final  # a Trainer that ignored our output_dir wrote it in place
+        problem = checkpoint_problem(source)
+        if problem:
+            raise RuntimeError(f"{source} is incomplete right after the Trainer saved it ({problem}): transformers "
+                               "may have changed what a checkpoint holds (nb_helpers/safety/checkpoints.py)")
+        if source == staged:
+            replace_folder(staged, final)
+        rotate_checkpoints(output_dir=str(folder), save_total_limit=keep)
+    distributed.wait()
+    return final
+
+
+def replace_folder(source: Path, target: Path) -> None:
+    """Rename `source` to `target`, replacing it (a Ctrl-C checkpoint at the step a periodic one just saved)."""
+    old = source.parent / f"replaced-{target.name}"
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    source.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_staged(folder: Path) -> None:
+    """A save that failed leaves nothing: its partial checkpoint is deleted (the complete ones are untouched)."""
+    shutil.rmtree(Path(folder) / STAGING, ignore_errors=True)
+
+
+class PublishCheckpoints(TrainerCallback):
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def on_save(self, args, state, control, **kwargs):
+        publish(self.folder, state.global_step, args.save_total_limit)
+
+
+@contextmanager
+def staged_checkpoints(trainer, run_dir: Path):
+    """While training runs: every checkpoint is written into checkpoints/saving/ and published whole."""
+    folder = Path(run_dir) / "checkpoints"
+    final, callback = trainer.args.output_dir, PublishCheckpoints(folder)
+    if distributed.is_main():
+        discard_staged(folder)  # a save a kill cut short
+    trainer.args.output_dir = str(folder / STAGING)
+    trainer.add_callback(callback)
+    try:
+        yield
+    finally:
+        trainer.remove_callback(callback)
+        trainer.args.output_dir = final
+        if distributed.is_main():
+            discard_staged(folder)
+
+
+def save_checkpoint_now(trainer, run_dir: Path) -> Path:
+    """A checkpoint at the last finished step (Ctrl-C, SIGTERM), staged and published like the periodic ones."""
+    trainer._save_checkpoint(trainer.model, None)  # nb_helpers.fast.compat checks this private API
+    return publish(Path(run_dir) / "checkpoints", trainer.state.global_step, trainer.args.save_total_limit)
