@@ -32,6 +32,7 @@ SUMMARY_KEYS = {
 }
 DETAIL_KEYS = {
     "budget_gib": "the emulated card's size, CUDA context included (None: no cap)",
+    "card": "the card preset the run planned for and emulated (nb_helpers.plan.cards; None: budget_gib as set)",
     "cuda_context_gib": "the CUDA context measured under a budget",
     "expandable_segments": "whether PyTorch's allocator grew its segments in place (the GPU fast path)",
     "compute_dtype": "the dtype the model computed in",

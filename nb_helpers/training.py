@@ -136,32 +136,37 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
 
 
 def apply_budget(run: TrainingRun) -> None:
-    """Cap this process at cfg.budget_gib on its own GPU, CUDA context included, and check the 4-bit weights fit
-    under it. With several processes the budget is per GPU."""
+    """Cap this process at its budget on its own GPU, CUDA context included (budget_gib, else the card's: then the
+    allocator gets what it would on that card), and check the 4-bit weights fit under it. Per GPU."""
     import torch
 
+    from nb_helpers.plan.cards import budget_of, run_card
     from nb_helpers.plan.preflight import check_budget_fits
 
-    if torch.cuda.is_available() and run.cfg.budget_gib:
+    budget_gib, card = budget_of(run.cfg), run_card(run.cfg)
+    run.summary.update(budget_gib=budget_gib, card=run.cfg.card)
+    if torch.cuda.is_available() and budget_gib:
         from nb_helpers.plan.budget import enforce_budget
 
-        budget = enforce_budget(run.cfg.budget_gib, device=distributed.local_rank())
+        budget = enforce_budget(budget_gib, distributed.local_rank(), card.context_gib if card else None)
         run.summary["cuda_context_gib"] = budget.context_gib
-        print(f"[budget] {budget.describe()}")
+        print(f"[budget] {card.describe(run.cfg.desktop_on_card) + ': ' if card else ''}{budget.describe()}")
         check_budget_fits(run.cfg, run.choice, budget.allocator_cap_gib)
-    elif run.cfg.budget_gib:
-        print("[budget] budget_gib is ignored on the CPU (no device memory to cap)")
+    elif budget_gib:
+        print("[budget] budget_gib and card cap nothing on the CPU (no device memory); plans still use them")
 
 
 def predict_memory(run: TrainingRun, verbose: bool = True) -> None:
     """The planner's peak for this config, from config.json alone; a model it cannot read still trains."""
     import torch
 
+    from nb_helpers.plan.cards import planning_context_gib
     from nb_helpers.plan.planner import load_shape, plan_for_config
 
     try:
         run.shape = load_shape(run.choice.path)
-        run.prediction = plan_for_config(run.cfg, run.shape, context_gib=run.summary.get("cuda_context_gib"))
+        run.prediction = plan_for_config(run.cfg, run.shape,
+                                         context_gib=planning_context_gib(run.cfg, run.summary.get("cuda_context_gib")))
     except Exception as e:  # noqa: BLE001 - a non-Llama model the planner cannot read still trains
         if verbose:
             print(f"[plan] no prediction for this model ({e})")
@@ -169,7 +174,8 @@ def predict_memory(run: TrainingRun, verbose: bool = True) -> None:
     if torch.cuda.is_available():
         keep_graphs_within_budget(run, verbose)
     if verbose:
-        where = "" if torch.cuda.is_available() else "no GPU here; for a GTX 1650-class card (compute capability 7.5): "
+        where = f"for the {run.cfg.card} card: " if run.cfg.card else "" if torch.cuda.is_available() else \
+            "no GPU here; for a GTX 1650-class card (compute capability 7.5): "
         print(f"[plan] {where}{run.prediction.verdict()}, in {run.prediction.peak_phase}; "
               "`python -m nb_helpers plan` shows the breakdown")
 

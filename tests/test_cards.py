@@ -86,3 +86,38 @@ def test_plan_command_plans_the_named_card_and_the_course_card_by_default(cli):
     assert '"fused_kernels": true' in extras.stdout and '"fused_kernels": false' in plain.stdout
     wrong = cli("plan", "--model", shape, "--card", "gtx1660")
     assert wrong.returncode == 2 and "card='gtx1660': not a card preset" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_a_run_for_a_card_plans_that_card_and_on_a_cpu_says_nothing_is_capped(tiny_cfg, capsys):
+    from nb_helpers.training import prepare_run
+
+    run = prepare_run(tiny_cfg.replace(card="gtx1650", budget_gib=None))
+    out = capsys.readouterr().out
+    assert run.summary["budget_gib"] == find_card("gtx1650").budget_gib() and run.summary["card"] == "gtx1650"
+    assert "card cap nothing on the CPU" in out
+    if run.prediction is not None:
+        assert run.prediction.inputs.gpu_capability == (7, 5) and run.prediction.budget_gib == run.summary["budget_gib"]
+        assert "[plan] for the gtx1650 card:" in out
+
+
+def test_the_emulated_card_caps_the_allocator_at_its_own_share(monkeypatch):
+    """On a bigger GPU, a card's cap is its total less its context and the desktop's share, whatever the big GPU's
+    own context (0.60 GiB on the H200 against a GTX 1650's 0.30)."""
+    import torch
+
+    from nb_helpers.plan import budget as budget_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(budget_module, "record_nvml_baseline", lambda device: None)
+    monkeypatch.setattr(budget_module, "outside_allocator_gib", lambda device: 0.60)
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 140 * 2**30}))
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: fractions.append(f))
+    card = find_card("gtx1650")
+    emulated = budget_module.enforce_budget(card.budget_gib(), 0, card.context_gib)
+    assert emulated.allocator_cap_gib == pytest.approx(card.allocator_cap_gib()) and emulated.context_gib == 0.60
+    assert fractions[-1] == pytest.approx(card.allocator_cap_gib() / 140)
+    plain = budget_module.enforce_budget(4.0, 0)  # a budget in GiB: this GPU's own context comes off
+    assert plain.allocator_cap_gib == pytest.approx(3.40)

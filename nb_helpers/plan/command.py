@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from nb_helpers.config import ConfigError, RunConfig, apply_sets
-from nb_helpers.plan.cards import COURSE_CARD, card_names, run_card
+from nb_helpers.plan.cards import COURSE_CARD, budget_of, card_names, run_card
 
 
 PLAN_DOES_NOT_FIT = 3
@@ -75,7 +75,8 @@ def cmd_plan(args) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     # a run drops CUDA graphs its budget cannot hold: plan what it runs (auto-fit below weighs both itself)
-    result = graphs_dropped_unless_they_fit(planned, cfg.budget_gib) if cfg.budget_gib else planned
+    budget = budget_of(cfg)
+    result = graphs_dropped_unless_they_fit(planned, budget) if budget else planned
     inp = result.inputs
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -95,7 +96,7 @@ def cmd_plan(args) -> int:
                 fitting = plan_for_config(cfg.replace(auto_fit=True), shape, context_gib=context,  # graphs weighed
                                           gpu_capability=capability, labelled_fraction=args.labelled_fraction,
                                           gpu_extras=extras)
-                choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, cfg.budget_gib, log=lambda *_: None)
+                choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, budget, log=lambda *_: None)
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")
