@@ -247,7 +247,10 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
     from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
 
     lock = tmp_path / "run.lock"
-    for stale in ({"pid": dead_pid(), "host": socket.gethostname()}, {"pid": 1, "host": "another-machine"}):
+    lock.write_text(json.dumps({"pid": 1, "host": "another-machine"}))  # a shared folder: not checkable, refused
+    with pytest.raises(ConfigError, match="on another-machine .*, another machine.*delete"):
+        take_run_lock(tmp_path)
+    for stale in ({"pid": dead_pid(), "host": socket.gethostname()},):
         lock.write_text(json.dumps(stale))
         take_run_lock(tmp_path)
         assert f"process {stale['pid']} on {stale['host']}" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """One process per run folder. Two `train --resume` of the same run at once both trained, and metrics.jsonl held
 the same steps twice. A run that opens (new or resumed) takes runs/<name>/run.lock, created with O_CREAT | O_EXCL (an
 atomic create on every OS, Windows included, unlike fcntl) and holding its PID and host; it is released when the run
-finishes, or at the latest when the process exits. A lock whose process is gone (kill -9, a crash, a reboot) or that
-was taken on another host is stale: the next run takes it over and says so. Only rank 0 of a multi-process run takes
+finishes, or at the latest when the process exits. A lock whose process is gone (kill -9, a crash, a reboot) is
+stale: the next run takes it over and says so. One taken on another host (a shared folder) cannot be checked from
+here: it is refused, with the file to delete if nothing trains there. Only rank 0 of a multi-process run takes
 it (the other processes write nothing to the folder)."""
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ def describe(holder: dict) -> str:
 def refuse_if_alive(path: Path, holder: dict) -> None:
     if not holder and age_s(path) < FRESH_S:
         raise RunLocked(f"{path}: another process is taking this run's lock right now; wait for it to finish")
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return  # another host's lock cannot be checked from here: stale, by the rule in the module docstring
+    if not isinstance(holder.get("pid"), int):
+        return  # unreadable: nobody to wait for
+    if holder.get("host") != socket.gethostname():  # a shared folder: that host may be training it now
+        raise RunLocked(f"{path.parent} is held by {describe(holder)}, another machine, which this one cannot "
+                        f"check. If no training runs there, delete {path} and start again")
     if pid_alive(holder["pid"]):
         raise RunLocked(f"{path.parent} is being trained by {describe(holder)}: two processes would write the same "
                         f"metrics.jsonl and checkpoints. Wait for it to finish, or stop it (Ctrl-C, or `kill "
