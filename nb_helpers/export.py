@@ -44,9 +44,11 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path | None = None):
     from nb_helpers.config import RunConfig
     from nb_helpers.models import load_tokenizer, resolve_model
     from nb_helpers.runs import load_run
+    from nb_helpers.safety.adapter_check import check_run_adapter
 
     run = load_run(run_dir)
     choice = resolve_model(RunConfig.from_dict(run.config), verbose=False)
+    check_run_adapter(run.path, choice.path)  # before anything is loaded or written: NaN would merge silently
     base16 = AutoModelForCausalLM.from_pretrained(choice.path, dtype=torch.bfloat16, device_map={"": "cpu"},
                                                   use_safetensors=True)
     merged = PeftModel.from_pretrained(base16, run.path / "adapter").merge_and_unload()
