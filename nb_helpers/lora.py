@@ -124,6 +124,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
     (bench/NOTES.md). The recipe as written never calls it, so a GPU run only freezes the base; the CPU path keeps it
     (its results were measured with it), and NB_FASTPATH=lean=0 brings it back on a GPU."""
     from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import set_seed
 
     from nb_helpers import fast as fastpath
 
@@ -136,6 +137,9 @@ def attach_lora(model, cfg: RunConfig, fast=None):
         for param in model.parameters():
             param.requires_grad_(False)  # the base stays frozen and 16-bit; LoRA adds the only trainable weights
     fastpath.before_lora(model, fast)
+    # LoRA's A is drawn now, from a generator each process seeds at random; the Trainer seeds only later (3.4% apart
+    # in loss over 16 steps with one seed, bit for bit the same once seeded here: bench/results/reproducibility.json)
+    set_seed(cfg.seed)
     model = get_peft_model(model, lora_config(cfg, model))  # targets under the model's names (Phi: qkv_proj)
     fastpath.after_lora(model, fast, cfg)
     return model
