@@ -352,3 +352,16 @@ def test_a_corrupt_metrics_line_is_skipped_with_its_file_and_line(tmp_path, caps
     path.write_text(path.read_text() + json.dumps({"step": 3, "loss": 0.9}) + "\n")  # a second resume's later step
     split_metrics_at(tmp_path, 2)
     assert len((tmp_path / "metrics.after-checkpoint.jsonl").read_text().splitlines()) == 2  # added, not replaced
+
+
+def test_a_checkpoint_the_check_does_not_recognise_is_kept_and_training_goes_on(tmp_path, capsys):
+    """Right after the Trainer saved it, a checkpoint that fails the check means the check is out of date (a new
+    transformers layout), not a cut-short save: one line, the checkpoint published, training not stopped."""
+    from nb_helpers.safety.checkpoints import STAGING, publish
+
+    staged = tmp_path / "checkpoints" / STAGING / "checkpoint-3"
+    staged.mkdir(parents=True)
+    (staged / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    assert publish(tmp_path / "checkpoints", 3, keep=2) == tmp_path / "checkpoints" / "checkpoint-3"
+    assert (tmp_path / "checkpoints" / "checkpoint-3" / "trainer_state.json").exists()
+    assert "fails the completeness check right after the Trainer saved it" in capsys.readouterr().out
