@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cpu_bench import cpu_model  # bench/ is on the path when this script runs
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "reproducibility.json"
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -40,16 +42,6 @@ VARIANTS = {
     "unseeded-avx2": (AVX2, UNSEEDED, None),
     "threads1": ({}, {"threads": 1}, "default"),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def worker(spec: dict) -> None:

@@ -115,7 +115,7 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
     if checkpoint is not None and verbose:
         print(resume_note(checkpoint, world))
     cfg = split_over_processes(cfg, world, verbose)  # before anything is sized: auto-fit and the plan are per GPU
-    summary: dict = {"budget_gib": cfg.budget_gib}
+    summary: dict = {}  # apply_budget adds the budget, from budget_gib or the card
     if torch.cuda.is_available():
         record_nvml_baseline(distributed.local_rank())  # before this process creates a context
         expandable = fast.use_expandable_segments(fast.FastOptions.for_run(cfg))  # before the allocator starts
