@@ -34,7 +34,8 @@ def test_the_inventory_is_well_formed():
     assert len({c.api for c in compat.CHECKS}) == len(compat.CHECKS), "one check per API"
     for check in compat.CHECKS:
         assert check.levers and set(check.levers) <= levers, f"{check.api}: unknown lever in {check.levers}"
-        assert check.library in {"torch", "transformers", "peft", "bitsandbytes", "trl", "liger_kernel", "gguf"}
+        assert check.library in {"torch", "transformers", "peft", "bitsandbytes", "trl", "liger_kernel", "gguf",
+                                 "huggingface_hub"}
     lines = (PACKAGE / "fast" / "compat.py").read_text(encoding="utf-8").count("\n")
     assert lines < 400, f"compat.py has {lines} lines"
 
@@ -328,6 +329,7 @@ INTERNAL = {
     r"bitsandbytes\.backends\.cpu\.ops": "bitsandbytes.backends.cpu.ops", r"\btry_suffixes=": "try_suffixes",
     r"\bgguf\.quants\.quantize\b": "quants.quantize", r"\bSpecialVocab\b": "SpecialVocab",
     r"\.contents\(\)": "ReaderField.contents", r"\braw_dtype=": "raw_dtype", r"\bdefault_generators\b": "default_generators",
+    r"\brotate_checkpoints\b": "rotate_checkpoints", r"\.HF_HUB_OFFLINE\s*=": "HF_HUB_OFFLINE",
     r"\.capture_begin\(": "capture_begin", r"\bnative_dropout": "native_dropout", r"\bbase_model_prefix\b": "base_model_prefix",
 }
 

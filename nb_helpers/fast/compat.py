@@ -3,9 +3,8 @@
 The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel (C
 kernels called through ctypes, a function transformers swaps per layer, an optimizer's state), none of it promised
 across versions. Each use is a Check whose probe verifies the name AND the shape we rely on, so an upgrade that moves
-one fails loudly in CI (tests/test_compat.py) and, at run time, its lever falls back with one line (fallback_note).
-Uses outside nb_helpers/fast carry the pseudo-lever "course": no fallback, the check must pass. Nothing imports eagerly.
-"""
+one fails in CI (tests/test_compat.py) and, at run time, its lever falls back with one line (fallback_note). Uses
+outside nb_helpers/fast carry the pseudo-lever "course": no fallback, the check must pass. Nothing imports eagerly."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from pkgutil import resolve_name as _resolve  # "pkg.module.Class.attr": imports
 from typing import Callable
 
 COURSE = "course"
-OPTIONAL = {"liger_kernel"}  # a GPU extra (requirements-gpu.txt): where it is absent the kernels lever is off anyway
-DISTRIBUTIONS = {"liger_kernel": "liger-kernel"}
+OPTIONAL, DISTRIBUTIONS = {"liger_kernel"}, {"liger_kernel": "liger-kernel"}  # a GPU extra: absent, its lever is off
 
 
 @dataclass(frozen=True)
@@ -215,6 +213,9 @@ CHECKS: tuple[Check, ...] = (
            kind=functools.cached_property),
     _check(f"{ARGS}._n_gpu", COURSE, _at(f"{ARGS}.n_gpu.fget", says=("self._n_gpu",))),
     _check(f"{TRAINER}._save_checkpoint(model, trial)", COURSE, first=("self", "model", "trial")),
+    _check("transformers.trainer_utils.rotate_checkpoints", COURSE, params=("output_dir", "save_total_limit")),
+    _check("huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE", COURSE,  # set by safety/hub
+           _at("datasets.config.HF_HUB_OFFLINE", kind=bool), kind=bool),
     _check(f"{TRAINER}.floating_point_ops(inputs)", COURSE, first=("self", "inputs")),
     _check(f"{TRAINER}.create_optimizer", "direct_optim",
            _at(f"{TRAINER}.create_optimizer_and_scheduler", says=("self.create_optimizer()",))),
