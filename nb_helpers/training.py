@@ -108,7 +108,7 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
                               "new run")
         take_run_lock(resume_dir)  # before anything loads: a second process resuming this run stops here
         checkpoint = checkpoint_to_resume(resume_dir, set_aside=distributed.is_main())
-    cfg.validate()
+    cfg = RunConfig.from_dict(cfg.to_dict()).validate()  # the run's own copy: a slider moved later is not trained
     check_run_name(cfg.run_name if resume_dir is None else None)  # a resumed run keeps the folder it has
     check_writable(cfg, resume_dir)
     world = distributed.world_size()

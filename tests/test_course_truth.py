@@ -68,3 +68,15 @@ def test_a_legend_of_long_run_names_stays_inside_the_figure():
     box, legend = fig.bbox, fig.legends[0].get_window_extent()
     assert box.x0 <= legend.x0 and legend.x1 <= box.x1 and box.y0 <= legend.y0, (legend, box)
     assert all(label in fig.alt for label in runs)
+
+
+def test_a_slider_moved_after_loading_changes_the_learners_config_not_the_runs(tiny_cfg):
+    """Notebook 03 loads a run from the sliders' cfg, then builds the trainer from run.cfg cells later: a move in
+    between must not reach the trainer (config.json and the panel say the loaded run trains what it was loaded with)."""
+    from nb_helpers.training import prepare_run
+
+    run = prepare_run(tiny_cfg)
+    loaded = (run.cfg.lora_r, run.cfg.learning_rate, list(run.cfg.target_modules))
+    tiny_cfg.lora_r, tiny_cfg.learning_rate = tiny_cfg.lora_r * 2, tiny_cfg.learning_rate * 2
+    tiny_cfg.target_modules.append("up_proj")
+    assert (run.cfg.lora_r, run.cfg.learning_rate, list(run.cfg.target_modules)) == loaded
