@@ -146,11 +146,18 @@ def staged_checkpoints(trainer, run_dir: Path):
     trainer.add_callback(callback)
     try:
         yield
-    finally:
-        trainer.remove_callback(callback)
-        trainer.args.output_dir = final
-        if distributed.is_main():
-            discard_staged(folder)
+    except BaseException:
+        finish_staging(trainer, callback, final, folder)
+        raise
+    distributed.wait()  # every process is done with checkpoints/saving (its Trainer scans it) before rank 0 removes it
+    finish_staging(trainer, callback, final, folder)
+
+
+def finish_staging(trainer, callback, final: str, folder: Path) -> None:
+    trainer.remove_callback(callback)
+    trainer.args.output_dir = final
+    if distributed.is_main():
+        discard_staged(folder)
 
 
 def save_checkpoint_now(trainer, run_dir: Path) -> Path:
