@@ -271,9 +271,28 @@ def busy_share(prof, wall_s: float) -> dict:
             end = b
     copies = sum(t for name, t in by_name.items() if "memcpy" in name.lower())
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    categories: dict[str, float] = {}
+    for name, t in by_name.items():
+        categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + t / 1e9
     return {"busy_s": busy / 1e9, "wall_s": wall_s, "busy_share": busy / 1e9 / wall_s if wall_s else None,
             "gpu_events": len(intervals), "copy_s": copies / 1e9,
+            "categories_s": {k: round(v, 5) for k, v in sorted(categories.items())},
             "top_kernels_s": {name: round(t / 1e9, 4) for name, t in top}}
+
+
+def kernel_category(name: str) -> str:
+    """Where a GPU kernel's time goes, by its name: matmul, attention, dequantize, copy, or other (elementwise,
+    norms, dropout, the optimizer). Kernel time summed, so overlapping kernels (copies beside compute) both count."""
+    low = name.lower()
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    if "dequant" in low:
+        return "dequantize"
+    if any(k in low for k in ("sdpa", "flash", "fmha", "attention")):
+        return "attention"
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "gemv", "splitk", "cublas", "sm90_", "sm80_")):
+        return "matmul"
+    return "other"
 
 
 def reference_worker(spec: dict) -> dict:
