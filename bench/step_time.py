@@ -114,7 +114,7 @@ def measure(point, model_dir: Path, work: Path, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", default="fit,cards26", help="comma list of sets (fit, cards26) or point ids")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="JSON lines file the rows are appended to")
     parser.add_argument("--steps", type=int, default=WARMUP + 4, help="optimizer steps per point (the last profiled)")
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -122,6 +122,8 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
+    if not args.out:
+        parser.error("--out is required")
     from build_tinyllama_shape import build
 
     pool = {p[0]: p for points in SETS.values() for p in points}
