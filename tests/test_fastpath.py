@@ -177,6 +177,23 @@ def test_fp16_fast_path_trains_with_fp32_adapters(tiny_cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_auto_fit_under_the_gtx1650_card_trains_in_the_dtype_asked(tiny_cfg, dtype):
+    """The GTX 1650 emulated on a bigger GPU (its budget, its capability in the plan): fp16 as on the card, and bf16
+    (which a GTX 1650 lacks, but this GPU has) both train without NaN. The bf16 run failed in auto-fit's trial step
+    once, which took its autocast dtype from the card's capability (fp16) over bf16 weights (device call 2, 2026-12-02)."""
+    from nb_helpers.metrics import read_metrics
+    from nb_helpers.training import train
+
+    run_dir = train(tiny_cfg.replace(compute_dtype=dtype, card="gtx1650", budget_gib=None, auto_fit=True, max_steps=4,
+                                     task_eval_samples=0, eval_file=None), verbose=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["compute_dtype"] == dtype
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(losses) == 4 and all(loss == loss and loss < 100 for loss in losses)
+
+
+@pytest.mark.gpu
 def test_the_budget_cap_holds_with_expandable_segments():
     """The emulated card (set_per_process_memory_fraction) must still refuse memory past the budget when the
     allocator grows expandable segments."""

@@ -51,6 +51,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
 
     from nb_helpers.plan.memory import memory_snapshot
     from nb_helpers.plan.choose import auto_fit
+    from nb_helpers.plan.dtypes import resolve_compute_dtype
     from nb_helpers.plan.planner import plan_for_config
 
     if shape is None:
@@ -59,7 +60,9 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     budget = budget_of(cfg) or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     seq = min(seq or cfg.max_length, cfg.max_length)
     base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
-    dtype = getattr(torch, base.compute_dtype)
+    # the dtype this GPU trains in: an emulated card's capability sizes the plan, not the autocast (a bf16 run under
+    # the GTX 1650's budget on a bigger GPU is still bf16; the trial ran fp16 autocast over bf16 weights and failed)
+    dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype))
     vocab_top = min(tokenizer.vocab_size, shape.vocab)
 
     def trial(option) -> float | None:

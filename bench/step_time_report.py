@@ -1,0 +1,182 @@
+"""The time model (nb_helpers/plan/step_time.py) against the H200's measured step and GPU-busy times.
+
+    python bench/step_time_report.py           # validate the module's constants; writes bench/results/step_time.json
+    python bench/step_time_report.py --fit     # also fit them again from the FIT points and print them
+
+Rows: bench/results/raw/step_time-*.jsonl (bench/step_time.py). The constants are fitted on the FIT points (s1-s8,
+TinyLlama, Llama-3.2-1B, SmolLM2 and Qwen3 shapes, graphed and eager) plus c14, the one point with sliding-window
+attention (no FIT point had it), and validated on the other CARDS26 points, which no constant saw. Each kind of GPU
+time is fitted apart, on the kernel time the profiler gave that kind (non-negative least squares); the host's
+constants then on the step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from build_tinyllama_shape import shape_config  # noqa: E402
+
+from nb_helpers.plan import step_time as st  # noqa: E402
+from nb_helpers.plan.architecture import Shape  # noqa: E402
+from nb_helpers.plan.planner import PlanInput  # noqa: E402
+
+FIT_IDS = {"s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "c14"}
+RESULT = ROOT / "bench" / "results" / "step_time.json"
+
+
+def load_rows() -> list[dict]:
+    rows = []
+    for path in sorted(glob.glob(str(ROOT / "bench" / "results" / "raw" / "step_time-*.jsonl"))):
+        rows += [dict(json.loads(line), source=Path(path).name) for line in Path(path).read_text().splitlines()]
+    return [r for r in rows if r.get("busy") and r.get("median_step_s")]
+
+
+def plan_input(row: dict) -> tuple[Shape, PlanInput]:
+    shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
+    chosen = row.get("chosen") or {}
+    targets = ("all-linear",) if row["targets"] == "all-linear" else tuple(row["targets"].split(","))
+    return shape, PlanInput(seq=row["seq"], batch=row["batch"], accum=row["accum"], rank=row["rank"],
+                            targets=targets, gradient_checkpointing=row["gc"], fused_kernels=True,
+                            offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")))
+
+
+def nnls(a, y, iterations: int = 20000) -> np.ndarray:
+    """Non-negative least squares by projected gradient on scaled columns (numpy only)."""
+    a, y = np.asarray(a, float), np.asarray(y, float)
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1
+    scaled = a / scale
+    x = np.maximum(np.linalg.lstsq(scaled, y, rcond=None)[0], 0)
+    step = 1 / np.linalg.norm(scaled, 2) ** 2
+    for _ in range(iterations):
+        x = np.maximum(x - step * scaled.T @ (scaled @ x - y), 0)
+    return x / scale
+
+
+def fit_gpu(rows: list[dict]) -> dict[str, float]:
+    """Seconds per unit, each kind of kernel time on its own units."""
+    units_of = {}
+    for unit in st.GPU_SECONDS:
+        units_of.setdefault(st.CATEGORY.get(unit, "other"), []).append(unit)
+    fitted = {}
+    for kind, units in units_of.items():
+        a, y = [], []
+        for row in rows:
+            work = st.work_per_micro_step(*plan_input(row))
+            a.append([work[u] for u in units])
+            y.append(row["busy"]["categories_s"].get(kind, 0.0) / row["accum"])
+        fitted.update(zip(units, nnls(a, y)))
+    return fitted
+
+
+def host_features(shape: Shape, inp: PlanInput) -> list[float]:
+    """Coefficients of HOST_LAYER_S, HOST_GC_LAYER_S, HOST_GC_STOCK_LAYER_S, HOST_EXTRA_NORM_LAYER_S, GRAPHED_MICRO_S
+    in one micro-step's host time."""
+    if inp.graphs and inp.gradient_checkpointing:
+        return [0, 0, 0, 0, 1]
+    stock = not st.fused_kernels_apply(shape, inp)
+    gc = int(inp.gradient_checkpointing)
+    return [shape.layers, shape.layers * gc, shape.layers * gc * stock,
+            shape.layers * max(0, shape.norms_per_layer - 2), 0]
+
+
+def fit_host(rows: list[dict]) -> np.ndarray:
+    """The host's constants and STEP_S, on step times relative to the measured (eager micro-steps bound by the host
+    or the GPU, whichever is slower; graphed ones add theirs), iterated until the bound of each point settles."""
+    fitted = None
+    for _ in range(20):
+        a, y = [], []
+        for row in rows:
+            shape, inp = plan_input(row)
+            busy = busy_seconds(shape, inp) / inp.accum
+            weight, feats = 1 / row["median_step_s"], host_features(shape, inp)
+            host = None if fitted is None else float(np.dot(feats, fitted[:-1]))
+            graphed = bool(feats[4])
+            if graphed or fitted is None or host >= busy:
+                a.append([inp.accum * f * weight for f in feats] + [weight])
+                y.append(1.0 - (inp.accum * busy * weight if graphed else 0.0))
+            else:
+                a.append([0.0] * len(feats) + [weight])
+                y.append((row["median_step_s"] - inp.accum * busy) * weight)
+        fitted = nnls(a, y)
+    return fitted
+
+
+def busy_seconds(shape: Shape, inp: PlanInput) -> float:
+    return st.predict_step_time(shape, inp, st.H200).gpu_busy_s
+
+
+def validate(rows: list[dict]) -> dict:
+    points = []
+    for row in rows:
+        shape, inp = plan_input(row)
+        predicted = st.predict_step_time(shape, inp, st.H200)
+        points.append({
+            "id": row["id"], "shape": row["shape"], "seq": row["seq"], "batch": row["batch"], "accum": row["accum"],
+            "rank": row["rank"], "targets": row["targets"], "gc": row["gc"], "graphs": inp.graphs,
+            "offload": inp.offload, "held_out": row["id"] not in FIT_IDS, "source": row["source"],
+            "measured_step_s": row["median_step_s"], "predicted_step_s": round(predicted.step_s, 4),
+            "measured_busy_s": row["busy"]["busy_s"], "predicted_busy_s": round(predicted.gpu_busy_s, 4),
+            "step_error": predicted.step_s / row["median_step_s"] - 1,
+            "busy_error": predicted.gpu_busy_s / row["busy"]["busy_s"] - 1,
+            "measured_by_kind_s": row["busy"]["categories_s"],
+            "predicted_by_kind_s": {k: round(v, 5) for k, v in predicted.gpu_by_kind_s.items()}})
+    held = [p for p in points if p["held_out"]]
+    summary = {key: {"worst": max(abs(p[key]) for p in held), "mean": statistics.mean(abs(p[key]) for p in held),
+                     "within_15pct": sum(abs(p[key]) <= 0.15 for p in held)}
+               for key in ("step_error", "busy_error")}
+    return {"gpu": "NVIDIA H200", "held_out_points": len(held), "fit_points": len(points) - len(held),
+            "held_out": summary, "command": "python bench/step_time.py --points fit,cards26 (two device calls); "
+            "python bench/step_time_report.py", "points": points}
+
+
+def print_fit(rows: list[dict]) -> None:
+    gpu = fit_gpu(rows)
+    print("GPU_SECONDS (seconds per unit on the H200):")
+    for unit, value in gpu.items():
+        print(f'    "{unit}": ({value:.5e}, "{st.GPU_SECONDS[unit][1]}"),')
+    saved = dict(st.GPU_SECONDS)
+    st.GPU_SECONDS.update({u: (v, st.GPU_SECONDS[u][1]) for u, v in gpu.items()})
+    try:
+        host = fit_host(rows)
+    finally:
+        st.GPU_SECONDS.update(saved)
+    names = ["HOST_LAYER_S", "HOST_GC_LAYER_S", "HOST_GC_STOCK_LAYER_S", "HOST_EXTRA_NORM_LAYER_S", "GRAPHED_MICRO_S",
+             "STEP_S"]
+    for name, value in zip(names, host):
+        print(f"{name} = {value:.3g}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fit", action="store_true", help="fit the constants again and print them")
+    args = parser.parse_args()
+    rows = load_rows()
+    if args.fit:
+        print_fit([r for r in rows if r["id"] in FIT_IDS])
+    result = validate(rows)
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    for p in result["points"]:
+        print(f"{p['id']:<4}{p['shape']:<16}{p['seq']:>5} {p['batch']}x{p['accum']} gc={int(p['gc'])} "
+              f"{'graphs ' if p['graphs'] else ''}{'offload ' if p['offload'] else ''}"
+              f"step {p['measured_step_s']:.3f} -> {p['predicted_step_s']:.3f} ({p['step_error']:+.0%})  busy "
+              f"{p['measured_busy_s']:.3f} -> {p['predicted_busy_s']:.3f} ({p['busy_error']:+.0%})"
+              f"{'' if p['held_out'] else '  [fit]'}")
+    for key, s in result["held_out"].items():
+        print(f"held out ({result['held_out_points']} points), {key}: worst {s['worst']:.1%}, mean {s['mean']:.1%}, "
+              f"within 15%: {s['within_15pct']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""How long will a step take? Seconds per optimizer step, predicted from config.json and the settings, for a named card.
+
+A step's GPU time is the work it does, counted from the model's shape (nb_helpers.plan.architecture), times what each
+unit of work cost on the H200 where it was measured (kernel time by kind, torch.profiler), scaled to the card:
+
+    matmuls      2 x tokens x weights for each pass over the 4-bit base (forward, backward to the activations, and
+                 the recompute with checkpointing), the LM head twice; a fixed cost per GEMM launch; LoRA's skinny
+                 GEMMs as the bytes they read
+    attention    the causal score and value products (half a square per layer; window layers a full band), with a
+                 flash backward of 2.5 forwards
+    dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and a launch per layer
+    other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
+                 (liger's fused kernels touch fewer), and a fixed cost per layer pass
+
+Compute units scale with the card's 16-bit matmul peak, bytes with its memory bandwidth, launches not at all. The
+host (Python, peft, autograd launching kernels) costs a fixed time per layer and micro-step; an eager micro-step
+takes the longer of the GPU's time and the host's, a CUDA-graphed one the GPU's plus a little host time. On a
+consumer card the GPU's time dominates; on the H200 the host's often does.
+
+Measured on one H200 only (bench/step_time.py; fitted and validated by bench/step_time_report.py, results in
+bench/results/step_time.json). Every other card's time is this model applied to its spec-sheet peaks, not a
+measurement: laptops run below their boost clocks, and a GTX 1650 has no tensor cores (its fp16 peak is its CUDA
+cores' double-rate half2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nb_helpers.plan.activations import fused_kernels_apply
+from nb_helpers.plan.architecture import Shape, plan_targets
+
+# The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
+# pinned memory measured 57 GB/s in bench/results/throughput.json)
+H200 = dict(name="NVIDIA H200", tflops16=989.0, bandwidth_gbs=4800.0, pcie_gbs=57.0)
+
+# Seconds per unit of work on the H200, fitted by bench/step_time_report.py on the FIT points of bench/step_time.py
+# (device call 1 of 2026-12-02) and validated on 14 points it did not see (bench/results/step_time.json).
+GPU_SECONDS = {  # unit: (seconds per unit on the H200, what it scales with on another card)
+    "matmul_flops": (1.10970e-15, "compute"),
+    "gemm_launches": (8.23407e-06, "launch"),
+    "lora_bytes": (4.06044e-13, "bandwidth"),
+    "attention_flops": (2.66114e-15, "compute"),
+    "window_attention_flops": (4.44488e-15, "compute"),
+    "attention_launches": (1.62171e-05, "launch"),
+    "dequant_bytes": (4.18129e-13, "bandwidth"),
+    "dequant_launches": (2.10246e-06, "launch"),
+    "fused_norm_elements": (1.08462e-11, "bandwidth"),
+    "stock_norm_elements": (3.79560e-11, "bandwidth"),
+    "loss_elements": (6.95546e-12, "bandwidth"),
+    "layer_passes": (3.84199e-05, "launch"),
+}
+CATEGORY = {"matmul_flops": "matmul", "gemm_launches": "matmul", "lora_bytes": "matmul",
+            "attention_flops": "attention", "window_attention_flops": "attention", "attention_launches": "attention",
+            "dequant_bytes": "dequantize", "dequant_launches": "dequantize"}
+# Host seconds per micro-step on the H200's host (16 cores; bench/step_time_report.py), per decoder layer run eagerly:
+HOST_LAYER_S = 6.84e-3  # forward and backward
+HOST_GC_LAYER_S = 2.91e-3  # the recompute, with checkpointing
+HOST_GC_STOCK_LAYER_S = 2.59e-3  # more, with checkpointing, where the stock (unfused) layers run
+HOST_EXTRA_NORM_LAYER_S = 2.79e-3  # per norm beyond two in a layer (Gemma's four)
+GRAPHED_MICRO_S = 1.41e-2  # a CUDA-graphed micro-step's host time the GPU waits for (loss, head, embeddings)
+STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging
+OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
+BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per optimizer step: the GPU's busy time, the host's, and their combination (`step_s`)."""
+
+    gpu_name: str
+    step_s: float
+    gpu_busy_s: float
+    host_s: float
+    gpu_by_kind_s: dict[str, float]
+    tokens: int  # per optimizer step (padded, as planned)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    def describe(self) -> str:
+        return (f"~{self.step_s:.2f} s per optimizer step on the {self.gpu_name} (~{self.tokens_per_s:,.0f} tokens/s; "
+                f"GPU busy {self.gpu_busy_s:.2f} s, host {self.host_s:.2f} s)")
+
+
+def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
+    """The units of GPU_SECONDS one micro-step of this plan does."""
+    batch, seq, gc, layers = inp.batch, inp.seq, int(inp.gradient_checkpointing), shape.layers
+    tokens, passes, dims = batch * seq, 2 + gc, shape.linear_dims()
+    targets = plan_targets(shape, inp.targets)
+    lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
+    forward_attention = 2 * 2 * batch * shape.heads * shape.head_dim * seq  # times the keys each query sees
+    attention_passes = 1 + gc + BACKWARD_OVER_FORWARD
+    full_layers = layers - shape.sliding_layers
+    fused = fused_kernels_apply(shape, inp)
+    q_and_k = (shape.heads + shape.kv_heads) * shape.head_dim * (2 if shape.qk_norm else 1)
+    norm_elements = tokens * layers * (shape.norms_per_layer * shape.hidden + q_and_k) * (1 + gc)
+    return {
+        "matmul_flops": 2 * tokens * shape.linear_params * passes + 4 * tokens * shape.hidden * shape.vocab,
+        "gemm_launches": layers * len(dims) * passes + 2,
+        "lora_bytes": layers * lora_passes * sum(2 * tokens * (dims[t][0] + dims[t][1]) for t in targets),
+        "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
+        "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
+        "attention_launches": layers * passes,
+        "dequant_bytes": 2.5 * shape.linear_params * passes,
+        "dequant_launches": 2 * layers * len(dims) * passes,
+        "fused_norm_elements": norm_elements if fused else 0.0,
+        "stock_norm_elements": 0.0 if fused else norm_elements,
+        "loss_elements": tokens * shape.vocab,
+        "layer_passes": layers * passes,
+    }
+
+
+def gpu_seconds_by_kind(work: dict[str, float], gpu: dict) -> dict[str, float]:
+    """GPU seconds of one micro-step's work on `gpu` (H200's keys: tflops16, bandwidth_gbs), by kernel kind."""
+    scale = {"compute": H200["tflops16"] / gpu["tflops16"], "bandwidth": H200["bandwidth_gbs"] / gpu["bandwidth_gbs"],
+             "launch": 1.0}
+    out: dict[str, float] = {}
+    for unit, amount in work.items():
+        seconds, kind = GPU_SECONDS[unit]
+        category = CATEGORY.get(unit, "other")
+        out[category] = out.get(category, 0.0) + amount * seconds * scale[kind]
+    return out
+
+
+def host_seconds_per_micro_step(shape: Shape, inp) -> float:
+    """The host's time for one eager micro-step (graphed layers: GRAPHED_MICRO_S, added to the GPU's)."""
+    if inp.graphs and inp.gradient_checkpointing:
+        return GRAPHED_MICRO_S
+    gc = inp.gradient_checkpointing
+    stock = not fused_kernels_apply(shape, inp)
+    per_layer = HOST_LAYER_S + gc * (HOST_GC_LAYER_S + stock * HOST_GC_STOCK_LAYER_S) + \
+        max(0, shape.norms_per_layer - 2) * HOST_EXTRA_NORM_LAYER_S
+    return shape.layers * per_layer
+
+
+def offload_seconds(shape: Shape, inp, gpu: dict, busy_s: float) -> float:
+    """GPU time the checkpoint copies add per micro-step: a share of them, or all the compute cannot hide."""
+    if not (inp.offload and inp.gradient_checkpointing):
+        return 0.0
+    copy_s = 2 * shape.layers * inp.batch * inp.seq * shape.hidden * 2 / (gpu["pcie_gbs"] * 1e9)
+    return max(OFFLOAD_EXPOSED * copy_s, copy_s - busy_s)
+
+
+def predict_step_time(shape: Shape, inp, gpu: dict) -> StepTime:
+    """Seconds per optimizer step of a plan's inputs (nb_helpers.plan.planner.PlanInput) on `gpu`."""
+    by_kind = gpu_seconds_by_kind(work_per_micro_step(shape, inp), gpu)
+    busy = sum(by_kind.values())
+    busy += offload_seconds(shape, inp, gpu, busy)
+    host = host_seconds_per_micro_step(shape, inp)
+    graphed = inp.graphs and inp.gradient_checkpointing
+    micro = busy + host if graphed else max(busy, host)
+    return StepTime(gpu["name"], inp.accum * micro + STEP_S, inp.accum * busy, inp.accum * host,
+                    {k: inp.accum * v for k, v in by_kind.items()}, inp.accum * inp.batch * inp.seq)
