@@ -29,6 +29,7 @@ from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.data import load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
 from nb_helpers.plan.dtypes import resolve_compute_dtype
+from nb_helpers.plan.step_time import predicted_time
 from nb_helpers.lora import attach_lora, parameter_counts
 from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
@@ -193,7 +194,8 @@ def load_for_training(run: TrainingRun, verbose: bool = True):
         fit_to_budget(run, verbose)
     if run.prediction is not None:
         run.summary.update(predicted_peak_gib=run.prediction.peak_gib, predicted_phase=run.prediction.peak_phase,
-                           predicted_components_gib={k: v / 2**30 for k, v in run.prediction.components.items()})
+                           predicted_components_gib={k: v / 2**30 for k, v in run.prediction.components.items()},
+                           **predicted_time(run.prediction, run.cfg, verbose))
     trainable, total = parameter_counts(run.model)
     run.summary["trainable_params"] = trainable
     run.summary["fast_levers"] = fast.levers_ran(run.model, run.cfg, run.summary.get("expandable_segments"))

@@ -53,6 +53,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     from nb_helpers.plan.choose import auto_fit
     from nb_helpers.plan.dtypes import resolve_compute_dtype
     from nb_helpers.plan.planner import plan_for_config
+    from nb_helpers.plan.step_time import timing_gpu
 
     if shape is None:
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
@@ -77,7 +78,8 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
             torch.cuda.empty_cache()
 
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
-                      log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"))
+                      log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"),
+                      gpu=timing_gpu(cfg))  # fastest on the run's card (or this GPU), by the time model
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs

@@ -29,6 +29,21 @@ SOURCES = {
     "context": "https://github.com/pytorch/pytorch/issues/107667 (a PyTorch maintainer: the context is '~300MB' "
                "since CUDA 11.7's lazy loading)",
     "desktop": "https://github.com/pop-os/system76-power/issues/76 (GNOME on Xorg: 327 MiB on a 4 GB laptop card)",
+    # compute: the 16-bit matmul peak (fp32 accumulate) at the boost clock, memory bandwidth, PCIe for offloaded copies
+    "gtx1650-compute": "https://cputronic.com/gpu/nvidia-geforce-gtx-1650 (896 cores, boost 1665 MHz: 2.98 TFLOPS "
+                       "fp32) and https://informatyk-szczecin.com/pt/placa-grafica-geforce-gtx-1650 (14 SMs, 128 GB/s); "
+                       "no tensor cores, fp16 at twice fp32 (half2): 5.97 TFLOPS; PCIe 3.0 x16",
+    "gtx1650-laptop-compute": "estimate: the mobile TU117 has 16 SMs / 1024 cores (informatyk-szczecin.com, as above) "
+                              "at about 1.5 GHz under a laptop's power limit: ~6.1 TFLOPS fp16; 128 GB/s (GDDR5)",
+    "rtx3050-laptop-compute": "https://hmc-tech.com/gpu/nvidia-geforce-rtx-2050-vs-nvidia-geforce-rtx-3050-laptop-80w "
+                              "(RTX 3050 Laptop 80 W: 14.25 TFLOPS BF16 tensor, dense; 35-45 W versions clock lower); "
+                              "128-bit GDDR6 at 12 Gbps: 192 GB/s; PCIe 4.0 x8",
+    "rtx3050-desktop-compute": "https://www.hardwaredb.net/geforce-rtx-3050-benchmark (8 GB: 2560 cores, boost 1777 MHz, "
+                               "224 GB/s); GeForce Ampere runs BF16 tensor math (fp32 accumulate) at twice its fp32 rate "
+                               "(GA102 whitepaper, https://docslib.org/doc/759549/nvidia-ampere-ga102-gpu-architecture"
+                               "-whitepaper): 18.2 TFLOPS; the 6 GB card (2304 cores, 1470 MHz, 168 GB/s) estimated so",
+    "t4-compute": "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-"
+                  "951643.pdf (65 TFLOPS fp16 mixed precision, 320 GB/s); it clocks down under its 70 W limit",
 }
 
 
@@ -41,6 +56,14 @@ class Card:
     source: str  # a key of SOURCES for total_gib
     context_gib: float = CONTEXT_GIB
     desktop_gib: float = DESKTOP_RESERVE_GIB  # 0 where no screen can hang off the card (a T4)
+    tflops16: float = 5.97  # 16-bit matmul peak (fp32 accumulate) at the boost clock: the time model's compute
+    bandwidth_gbs: float = 128.0  # memory bandwidth: the time model's bytes
+    pcie_gbs: float = 12.0  # host <-> card copies (offloaded checkpoints); PCIe 3.0 x16 or 4.0 x8, in practice
+    compute_source: str = "gtx1650-compute"
+
+    def compute(self) -> dict:
+        """The peaks nb_helpers.plan.step_time scales the H200's measured times to."""
+        return dict(name=self.name, tflops16=self.tflops16, bandwidth_gbs=self.bandwidth_gbs, pcie_gbs=self.pcie_gbs)
 
     def reserve_gib(self, desktop: bool) -> float:
         return self.desktop_gib if desktop else 0.0
@@ -62,11 +85,16 @@ class Card:
 
 CARDS = {card.key: card for card in (
     Card("gtx1650", "GTX 1650 (4 GB)", 3.81, (7, 5), "gtx1650"),
-    Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650"),
-    Card("rtx3050-laptop-4gb", "RTX 3050 laptop (4 GB)", 3.68, (8, 6), "rtx3050-laptop"),
-    Card("rtx3050-6gb", "RTX 3050 6 GB", 5.80, (8, 6), "estimate-6gb"),
-    Card("rtx3050-8gb", "RTX 3050 8 GB", 7.78, (8, 6), "estimate-8gb"),
-    Card("t4", "Tesla T4 16 GB (Colab)", 14.75, (7, 5), "t4", desktop_gib=0.0),
+    Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650", tflops16=6.1,
+         compute_source="gtx1650-laptop-compute"),
+    Card("rtx3050-laptop-4gb", "RTX 3050 laptop (4 GB)", 3.68, (8, 6), "rtx3050-laptop", tflops16=14.25,
+         bandwidth_gbs=192.0, compute_source="rtx3050-laptop-compute"),
+    Card("rtx3050-6gb", "RTX 3050 6 GB", 5.80, (8, 6), "estimate-6gb", tflops16=13.5, bandwidth_gbs=168.0,
+         compute_source="rtx3050-desktop-compute"),
+    Card("rtx3050-8gb", "RTX 3050 8 GB", 7.78, (8, 6), "estimate-8gb", tflops16=18.2, bandwidth_gbs=224.0,
+         compute_source="rtx3050-desktop-compute"),
+    Card("t4", "Tesla T4 16 GB (Colab)", 14.75, (7, 5), "t4", desktop_gib=0.0, tflops16=65.0, bandwidth_gbs=320.0,
+         compute_source="t4-compute"),
 )}
 GENERIC = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*gi?b\s*$", re.IGNORECASE)
 
@@ -76,14 +104,15 @@ def card_names() -> list[str]:
 
 
 def find_card(name: str) -> Card:
-    """A preset by key (`gtx1650`), or a generic '<N> GiB' card: N GiB total, Turing's capability (the course's
-    most conservative: fp16, no bf16), the usual context and desktop reserve."""
+    """A preset by key (`gtx1650`), or a generic '<N> GiB' card: N GiB total, Turing's capability and a GTX 1650's
+    speed (the course's most conservative: fp16, no bf16), the usual context and desktop reserve."""
     if name in CARDS:
         return CARDS[name]
     generic = GENERIC.match(name)
     if generic and 1.0 <= float(generic.group(1)) <= 200.0:
         total = float(generic.group(1))
-        return Card(name.strip(), f"a {total:g} GiB card", total, (7, 5), "generic: the size given")
+        return Card(name.strip(), f"a {total:g} GiB card", total, (7, 5), "generic: the size given",
+                    compute_source="gtx1650-compute")  # the GTX 1650's speed: the slowest card the course targets
     raise ValueError(f"card={name!r}: not a preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')")
 
 

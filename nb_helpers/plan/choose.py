@@ -20,7 +20,8 @@ OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuri
 # fine-tuning, whose backward is 2 forwards.) An upper bound: the step's other work (optimizer, host overhead, the LM
 # head, which is not recomputed) dilutes it; the 2-core CPU measured 12-22% (bench/results/cpu.json).
 GC_COMPUTE_FACTOR = 3 / 2
-OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card
+OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card (and
+# they hold pinned CPU RAM), so a candidate that offloads must be 2% faster to be chosen
 FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
 
 
@@ -33,21 +34,27 @@ class Candidate:
     relative_step_cost: float
     offload: bool = False
     graphs: bool = False
+    predicted_step_s: float | None = None  # on the GPU ranked for (nb_helpers.plan.step_time), where one was
+    gpu_name: str | None = None
 
     def describe(self) -> str:
         gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
         graphs = ", layers as CUDA graphs" if self.graphs and self.gradient_checkpointing else ""
+        time = f", ~{self.predicted_step_s:.2f} s/step on the {self.gpu_name}" if self.predicted_step_s else ""
         return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc}{graphs} "
-                f"(predicted {self.predicted_gib:.2f} GiB)")
+                f"(predicted {self.predicted_gib:.2f} GiB{time})")
 
 
 def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
-               margin: float = FIT_MARGIN, offload_allowed: bool = True) -> list[Candidate]:
+               margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None) -> list[Candidate]:
     """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
     RAM (where `offload_allowed`), each checkpointed one also as CUDA graphs (with `base.graphs`), predicted to fit
-    the budget (less the margin), best expected throughput first: fewer micro-steps first (each costs the host a
-    fixed overhead), then graphed before eager (a graphed layer costs the host one launch where an eager one costs
-    hundreds: 2x at 8 x 512 on an H200, bench/NOTES.md), then the compute each needs."""
+    the budget (less the margin), fastest first. With `gpu` (nb_helpers.plan.step_time.timing_gpu) by the predicted
+    step time there: on a compute-bound card, no recompute beats graphs; on the H200, host-bound, graphs and fewer
+    micro-steps win. Without one (a GPU the time model does not know), by the older rule: fewer micro-steps first
+    (each costs the host a fixed overhead), then graphed before eager, then the compute each needs."""
+    from nb_helpers.plan.step_time import predict_step_time
+
     modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
     modes = [(gc, offload, False) for gc, offload in modes] + \
         ([(True, offload, True) for gc, offload in modes if gc] if base.graphs else [])
@@ -59,20 +66,28 @@ def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: 
             predicted = plan(shape, inp).peak_gib
             if predicted > budget_gib * (1 - margin):
                 continue
+            if gpu is not None:
+                seconds = predict_step_time(shape, inp, gpu).step_s  # offload: pinned CPU RAM, so only if faster
+                out.append(Candidate(batch, inp.accum, gc, predicted, seconds * (OFFLOAD_FACTOR if offload else 1.0),
+                                     offload, graphs, seconds, gpu["name"]))
+                continue
             factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
             cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
             out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
+    if gpu is not None:
+        return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
     return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
-             margin: float = FIT_MARGIN, offload_allowed: bool = True) -> Candidate:
-    """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch.
+             margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None) -> Candidate:
+    """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch; fastest
+    on `gpu` by the time model where one is given (see candidates).
 
     `trial(candidate)` runs one forward and backward at full length and returns the peak GiB it measured, or
     raises torch.OutOfMemoryError (any exception named *OutOfMemoryError); then the next candidate is tried and
     the step down is reported. Without a trial the prediction alone decides."""
-    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed)
+    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed, gpu)
     if not options:
         smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
                                             "gradient_checkpointing": True, "offload": offload_allowed,

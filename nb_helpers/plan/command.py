@@ -52,6 +52,7 @@ def cmd_plan(args) -> int:
     """Predicted peak memory from config.json alone; exit 0 when it fits the budget, 3 when it does not."""
     from nb_helpers.plan.choose import auto_fit, graphs_dropped_unless_they_fit
     from nb_helpers.plan.planner import default_context_gib, load_shape, plan_for_config
+    from nb_helpers.plan.step_time import time_line, timing_gpu
 
     cfg, capability = plan_config(args), gpu_capability(args.gpu_capability)
     model = cfg.model
@@ -91,12 +92,16 @@ def cmd_plan(args) -> int:
         print(result.table())
         for note in result.notes:
             print(f"note: {note}")
+        line = time_line(result, cfg)
+        if line:
+            print(line)
         if args.auto_fit:
             try:
                 fitting = plan_for_config(cfg.replace(auto_fit=True), shape, context_gib=context,  # graphs weighed
                                           gpu_capability=capability, labelled_fraction=args.labelled_fraction,
                                           gpu_extras=extras)
-                choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, budget, log=lambda *_: None)
+                choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, budget, log=lambda *_: None,
+                                  gpu=timing_gpu(cfg))
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")

@@ -113,6 +113,8 @@ def predicted_vs_measured(summary: dict) -> list[dict]:
 
 def predicted_vs_measured_report(summary: dict) -> str:
     """Markdown: a one-line note on what can be compared, then the predicted_vs_measured table."""
+    from nb_helpers.plan.step_time import time_note
+
     rows = predicted_vs_measured(summary)
     if not rows:
         return ("_No prediction in this run's summary.json: it was trained before the planner existed. Train it "
@@ -126,6 +128,7 @@ def predicted_vs_measured_report(summary: dict) -> str:
         notes = [f"Device peak: predicted {predicted:.2f} GiB, measured {measured:.2f} GiB "
                  f"({relative_error(predicted, measured)}; positive means the planner over-predicted)."]
     notes.append("Memory is measured as totals only (NVML, PyTorch), so the components are predictions alone.")
+    notes.append(time_note(summary))  # nb_helpers.plan.step_time
     if summary.get("status") not in (None, "completed"):
         notes.append(f"The run ended with status `{summary['status']}`: the measured peak covers only the steps "
                      "that finished.")
@@ -133,3 +136,4 @@ def predicted_vs_measured_report(summary: dict) -> str:
     shown = [{**r, "predicted (GiB)": gib(r["predicted (GiB)"]), "measured (GiB)": gib(r["measured (GiB)"])}
              for r in rows]
     return " ".join(notes) + "\n\n" + to_markdown(shown)
+

@@ -8,6 +8,7 @@ import html
 
 from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.plan.planner import plan_for_config
+from nb_helpers.plan.step_time import time_line, timing_gpu
 from nb_helpers.plan.cards import CARDS, COURSE_CARD, budget_of, find_card, run_card
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
@@ -283,8 +284,8 @@ class PlanView:
             return
         result.budget_gib = budget
         self.plan = result
-        self.widget.value = self.what_trains(cfg, planned, result, budget) + plan_html(result, source,
-                                                                                       self.device_note)
+        self.widget.value = self.what_trains(cfg, planned, result, budget) + time_html(result, cfg) + \
+            plan_html(result, source, self.device_note)
 
     def what_trains(self, cfg: RunConfig, planned, result, budget: float) -> str:
         """One line over the prediction: whether these settings train as set, or what auto-fit will run instead."""
@@ -297,7 +298,8 @@ class PlanView:
         from nb_helpers.plan.choose import auto_fit
 
         try:  # `planned`: the settings as set, graphs weighed, before any are dropped for the card
-            choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None)
+            choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None,
+                              gpu=timing_gpu(cfg))
         except MemoryError as e:
             return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
         return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "
@@ -318,6 +320,12 @@ class PlanView:
     def _repr_mimebundle_(self, **kwargs):
         # The live widget where a widget frontend runs; a static copy of the HTML elsewhere (nbconvert, GitHub).
         return {**self.widget._repr_mimebundle_(**kwargs), "text/html": self.widget.value}
+
+
+def time_html(result, cfg: RunConfig) -> str:
+    """The time model's line for these settings (nb_helpers.plan.step_time), or nothing for a GPU it does not know."""
+    line = time_line(result, cfg)
+    return f"<div style='color:#555'>{html.escape(line)}</div>" if line else ""
 
 
 def plan_html(result, budget_source: str, device_note: str) -> str:
