@@ -50,10 +50,10 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
 # expandable segments on; the runs named "...-at-c8e6f11" are from call 1, before expandable segments). The 2026-11-30
 # offloaded runs copied on the compute stream, without the one input the side-stream copies keep in flight, so the
 # planner (which counts it) predicts them about 64 MiB high.
-# issue 26 (2026-12-02, d4a4924): bench/step_time.py's runs, the planner not refitted on them: held out. Graphs and
+# issue 26 (2026-12-02, device calls 28-29 at 838da76): bench/step_time.py's runs, the planner not refitted on them: held out. Graphs and
 # offloaded checkpoints as each run's log says.
-STEP_TIME = {"step_time-call1-d4a4924.jsonl": "step-time runs (issue 26, call 1, held out)",
-             "step_time-call2-d4a4924.jsonl": "step-time runs (issue 26, call 2, held out)"}
+STEP_TIME = {"step_time-call28-838da76.jsonl": "step-time runs (issue 26, call 28, held out)",
+             "step_time-call29-838da76.jsonl": "step-time runs (issue 26, call 29, held out)"}
 THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, held out)", True, None),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
               # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too

@@ -181,7 +181,7 @@ def test_fp16_fast_path_trains_with_fp32_adapters(tiny_cfg):
 def test_auto_fit_under_the_gtx1650_card_trains_in_the_dtype_asked(tiny_cfg, dtype):
     """The GTX 1650 emulated on a bigger GPU (its budget, its capability in the plan): fp16 as on the card, and bf16
     (which a GTX 1650 lacks, but this GPU has) both train without NaN. The bf16 run failed in auto-fit's trial step
-    once, which took its autocast dtype from the card's capability (fp16) over bf16 weights (device call 2, 2026-12-02)."""
+    once, which took its autocast dtype from the card's capability (fp16) over bf16 weights (device call 29, 2026-12-02)."""
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
 

@@ -114,3 +114,12 @@ def test_no_gpu_plans_the_course_card_and_an_unknown_gpu_none(monkeypatch):
     assert st.timing_gpu(RunConfig()) is None  # not modelled: auto-fit keeps its older rule
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     assert st.timing_gpu(RunConfig()) is st.H200
+
+
+def test_the_plan_panel_of_notebooks_02_and_03_shows_the_time_for_the_card():
+    from nb_helpers.ui.widgets import plan_widget
+
+    view = plan_widget(RunConfig(), known_shape("tinyllama-1.1b"))  # no GPU here: the course's GTX 1650
+    assert "time: ~" in view.widget.value and "GTX 1650" in view.widget.value
+    view.update(RunConfig(card="rtx3050-laptop-4gb"))
+    assert "RTX 3050 laptop" in view.widget.value.split("time: ~")[1][:120]

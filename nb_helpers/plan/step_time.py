@@ -35,7 +35,7 @@ from nb_helpers.plan.architecture import Shape, plan_targets
 H200 = dict(name="NVIDIA H200", tflops16=989.0, bandwidth_gbs=4800.0, pcie_gbs=57.0)
 
 # Seconds per unit of work on the H200, fitted by bench/step_time_report.py on the FIT points of bench/step_time.py
-# (device call 1 of 2026-12-02) and validated on 14 points it did not see (bench/results/step_time.json).
+# (device call 28, 2026-12-02) and validated on 14 points it did not see (bench/results/step_time.json).
 GPU_SECONDS = {  # unit: (seconds per unit on the H200, what it scales with on another card)
     "matmul_flops": (1.10970e-15, "compute"),
     "gemm_launches": (8.23407e-06, "launch"),
