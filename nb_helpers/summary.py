@@ -43,6 +43,7 @@ DETAIL_KEYS = {
     "predicted_components_gib": "the planner's breakdown of the peak",
     "predicted_step_s": "the time model's seconds per optimizer step (nb_helpers.plan.step_time), for predicted_step_gpu",
     "predicted_step_gpu": "the GPU predicted_step_s is for: the run's card, else this GPU (None: not one it models)",
+    "predicted_for_this_gpu": "whether predicted_step_gpu is the GPU the run trained on (else the time is not comparable)",
     "adapter_step": "after a NaN or inf: the step whose adapter was kept (None: none was finite)",
     "world_size": "processes that trained (one per GPU under accelerate launch; 1 without a launcher)",
     "global_batch": "sequences per optimizer step over all processes: micro-batch x accumulation x world_size",

@@ -96,7 +96,7 @@ def test_plan_prints_the_time_and_auto_fit_its_choice_with_it(cli):
 
 def test_notebook_04_compares_time_only_on_the_gpu_predicted_for():
     same = st.time_note({"predicted_step_s": 0.30, "predicted_step_gpu": "NVIDIA H200", "median_step_s": 0.25,
-                         "device": "NVIDIA H200"})
+                         "device": "NVIDIA H200", "predicted_for_this_gpu": True})
     assert "measured 0.25 s (+20.0%)" in same
     other = st.time_note({"predicted_step_s": 4.2, "predicted_step_gpu": "GTX 1650 (4 GB)", "median_step_s": 0.3,
                           "device": "NVIDIA H200"})
@@ -123,3 +123,24 @@ def test_the_plan_panel_of_notebooks_02_and_03_shows_the_time_for_the_card():
     assert "time: ~" in view.widget.value and "GTX 1650" in view.widget.value
     view.update(RunConfig(card="rtx3050-laptop-4gb"))
     assert "RTX 3050 laptop" in view.widget.value.split("time: ~")[1][:120]
+
+
+def test_the_run_time_counts_epochs_over_the_training_rows(tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join('{"text": "x"}\n' for _ in range(20)) + "\n")
+    assert st.optimizer_steps(RunConfig(train_file=str(rows), num_train_epochs=3)) == 3 * 3  # 20 rows / 8 per step
+    assert st.optimizer_steps(RunConfig(train_file=str(rows), max_steps=5)) == 5
+    assert st.optimizer_steps(RunConfig(train_file=str(tmp_path / "missing.jsonl"))) is None
+
+
+def test_a_real_card_is_recognised_as_the_gpu_predicted_for(monkeypatch):
+    import torch
+
+    from nb_helpers.plan.planner import plan_for_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA GeForce GTX 1650")
+    cfg = RunConfig(card="gtx1650")
+    planned = plan_for_config(cfg, known_shape("tinyllama-1.1b"), context_gib=0.3, gpu_capability=(7, 5))
+    assert st.predicted_time(planned, cfg, verbose=False)["predicted_for_this_gpu"]
+    assert not st.predicted_time(planned, RunConfig(card="t4"), verbose=False)["predicted_for_this_gpu"]

@@ -60,10 +60,12 @@ class Card:
     bandwidth_gbs: float = 128.0  # memory bandwidth: the time model's bytes
     pcie_gbs: float = 12.0  # host <-> card copies (offloaded checkpoints); PCIe 3.0 x16 or 4.0 x8, in practice
     compute_source: str = "gtx1650-compute"
+    device_names: tuple[str, ...] = ("GTX 1650",)  # in torch.cuda.get_device_name() when this card is the GPU itself
 
     def compute(self) -> dict:
         """The peaks nb_helpers.plan.step_time scales the H200's measured times to."""
-        return dict(name=self.name, tflops16=self.tflops16, bandwidth_gbs=self.bandwidth_gbs, pcie_gbs=self.pcie_gbs)
+        return dict(name=self.name, tflops16=self.tflops16, bandwidth_gbs=self.bandwidth_gbs, pcie_gbs=self.pcie_gbs,
+                    device_names=self.device_names)
 
     def reserve_gib(self, desktop: bool) -> float:
         return self.desktop_gib if desktop else 0.0
@@ -88,13 +90,13 @@ CARDS = {card.key: card for card in (
     Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650", tflops16=6.1,
          compute_source="gtx1650-laptop-compute"),
     Card("rtx3050-laptop-4gb", "RTX 3050 laptop (4 GB)", 3.68, (8, 6), "rtx3050-laptop", tflops16=14.25,
-         bandwidth_gbs=192.0, compute_source="rtx3050-laptop-compute"),
+         bandwidth_gbs=192.0, compute_source="rtx3050-laptop-compute", device_names=("RTX 3050",)),
     Card("rtx3050-6gb", "RTX 3050 6 GB", 5.80, (8, 6), "estimate-6gb", tflops16=13.5, bandwidth_gbs=168.0,
-         compute_source="rtx3050-desktop-compute"),
+         compute_source="rtx3050-desktop-compute", device_names=("RTX 3050",)),
     Card("rtx3050-8gb", "RTX 3050 8 GB", 7.78, (8, 6), "estimate-8gb", tflops16=18.2, bandwidth_gbs=224.0,
-         compute_source="rtx3050-desktop-compute"),
+         compute_source="rtx3050-desktop-compute", device_names=("RTX 3050",)),
     Card("t4", "Tesla T4 16 GB (Colab)", 14.75, (7, 5), "t4", desktop_gib=0.0, tflops16=65.0, bandwidth_gbs=320.0,
-         compute_source="t4-compute"),
+         compute_source="t4-compute", device_names=("T4",)),
 )}
 GENERIC = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*gi?b\s*$", re.IGNORECASE)
 
@@ -112,7 +114,7 @@ def find_card(name: str) -> Card:
     if generic and 1.0 <= float(generic.group(1)) <= 200.0:
         total = float(generic.group(1))
         return Card(name.strip(), f"a {total:g} GiB card", total, (7, 5), "generic: the size given",
-                    compute_source="gtx1650-compute")  # the GTX 1650's speed: the slowest card the course targets
+                    compute_source="gtx1650-compute", device_names=())  # the GTX 1650's speed: the slowest card the course targets
     raise ValueError(f"card={name!r}: not a preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')")
 
 

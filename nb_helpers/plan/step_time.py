@@ -32,7 +32,7 @@ from nb_helpers.plan.architecture import Shape, plan_targets
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
 # pinned memory measured 57 GB/s in bench/results/throughput.json)
-H200 = dict(name="NVIDIA H200", tflops16=989.0, bandwidth_gbs=4800.0, pcie_gbs=57.0)
+H200 = dict(name="NVIDIA H200", tflops16=989.0, bandwidth_gbs=4800.0, pcie_gbs=57.0, device_names=("H200",))
 
 # Seconds per unit of work on the H200, fitted by bench/step_time_report.py on the FIT points of bench/step_time.py
 # (device call 28, 2026-12-02) and validated on 14 points it did not see (bench/results/step_time.json).
@@ -183,13 +183,29 @@ def this_gpu_name() -> str | None:
         return ""
 
 
+def optimizer_steps(cfg) -> int | None:
+    """The run's optimizer steps: max_steps, else epochs over the training rows (non-empty lines of train_file, at
+    most max_train_samples); None when the file cannot be read."""
+    import math
+
+    if cfg.max_steps > 0:
+        return cfg.max_steps
+    try:
+        with open(cfg.resolve_path(cfg.train_file), encoding="utf-8", errors="replace") as f:
+            rows = sum(1 for line in f if line.strip())
+    except (OSError, TypeError):
+        return None
+    rows = min(rows, cfg.max_train_samples) if cfg.max_train_samples else rows
+    return math.ceil(rows / cfg.effective_batch) * math.ceil(cfg.num_train_epochs) if rows else None
+
+
 def time_line(planned, cfg) -> str | None:
-    """One line for a plan: its predicted step time on the run's GPU (timing_gpu), and the run's for max_steps."""
+    """One line for a plan: its predicted step time on the run's GPU (timing_gpu), and the whole run's."""
     gpu = timing_gpu(cfg)
     if gpu is None:
         return None
-    predicted = predict_step_time(planned.shape, planned.inputs, gpu)
-    whole = f"; {cfg.max_steps} steps: ~{predicted.step_s * cfg.max_steps / 60:.0f} min" if cfg.max_steps > 0 else ""
+    predicted, steps = predict_step_time(planned.shape, planned.inputs, gpu), optimizer_steps(cfg)
+    whole = f"; {steps} steps: ~{predicted.step_s * steps / 60:.0f} min" if steps else ""
     where = "measured there within 15% at 12 of 14 points" if gpu is H200 else \
         "a model from H200 measurements and this card's spec sheet, not a measurement"
     return f"time: {predicted.describe()}{whole} ({where})"
@@ -199,11 +215,13 @@ def predicted_time(planned, cfg, verbose: bool = True) -> dict:
     """summary.json's predicted_step_s and predicted_step_gpu for what will train; says the time line once."""
     gpu = timing_gpu(cfg)
     if gpu is None:
-        return {"predicted_step_s": None, "predicted_step_gpu": None}
+        return {"predicted_step_s": None, "predicted_step_gpu": None, "predicted_for_this_gpu": False}
     if verbose:
         print(f"[plan] {time_line(planned, cfg)}")
+    here = this_gpu_name() or ""
     return {"predicted_step_s": predict_step_time(planned.shape, planned.inputs, gpu).step_s,
-            "predicted_step_gpu": gpu["name"]}
+            "predicted_step_gpu": gpu["name"],
+            "predicted_for_this_gpu": any(name in here for name in gpu.get("device_names", ()))}
 
 
 def time_note(summary: dict) -> str:
@@ -215,7 +233,7 @@ def time_note(summary: dict) -> str:
     said = f"Step time: predicted ~{predicted:.2f} s on the {gpu}"
     if measured is None:
         return said + "; the run measured none (too few steps)."
-    if gpu and gpu.replace("NVIDIA ", "") in device:
+    if summary.get("predicted_for_this_gpu"):
         return said + f", measured {measured:.2f} s ({100 * (predicted / measured - 1):+.1f}%)."
     return (said + f" (the card this run planned for: a model, not a measurement); this run took {measured:.2f} s "
             f"per step on {device}, which is not that card.")

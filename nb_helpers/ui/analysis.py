@@ -136,4 +136,3 @@ def predicted_vs_measured_report(summary: dict) -> str:
     shown = [{**r, "predicted (GiB)": gib(r["predicted (GiB)"]), "measured (GiB)": gib(r["measured (GiB)"])}
              for r in rows]
     return " ".join(notes) + "\n\n" + to_markdown(shown)
-
