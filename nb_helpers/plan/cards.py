@@ -6,7 +6,9 @@ by the same card keeps a few hundred MiB more. Each preset names those figures w
 (`SOURCES`), so a plan for a card is that card's budget, and the emulation on a bigger GPU caps PyTorch's allocator
 where the card would: total - context - desktop reserve.
 
-Figures not found in a public report are marked as estimates. Windows reports the full 4.00 GiB but its driver
+Each preset also names its compute (16-bit matmul peak at boost clock, memory bandwidth, PCIe), which
+nb_helpers.plan.step_time scales the H200's measured times to. Figures not found in a public report are marked as
+estimates. Windows reports the full 4.00 GiB but its driver
 mode (WDDM) keeps 10-15% back, so the Linux figure is the safer one there too.
 """
 
