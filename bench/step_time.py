@@ -6,8 +6,8 @@ and one profiled step at the end (torch.profiler: the union of kernel and copy i
 kind: matmul, attention, dequantize, copy, other). The peak memory is read as bench/planner_grid.py reads it, so
 the same rows validate the planner. Rows go to --out as JSON lines as they finish.
 
-    python bench/step_time.py --points fit,cards26 --out /tmp/step_time.jsonl
-    python bench/step_time_report.py /tmp/step_time.jsonl      # predicted against measured
+    python bench/step_time.py --points fit,cards26 --out bench/results/raw/step_time-call<N>-<commit>.jsonl
+    python bench/step_time_report.py      # every raw step_time-*.jsonl: predicted against measured
 
 FIT points set the time model's constants (nb_helpers/plan/step_time.py); the CARDS26 points of bench/planner_grid.py
 (six families, 256 to 4,096 tokens, r 8 to 32, GC on and off) are held out to validate it.
