@@ -144,3 +144,7 @@ def test_a_real_card_is_recognised_as_the_gpu_predicted_for(monkeypatch):
     planned = plan_for_config(cfg, known_shape("tinyllama-1.1b"), context_gib=0.3, gpu_capability=(7, 5))
     assert st.predicted_time(planned, cfg, verbose=False)["predicted_for_this_gpu"]
     assert not st.predicted_time(planned, RunConfig(card="t4"), verbose=False)["predicted_for_this_gpu"]
+
+
+def test_a_whole_run_reads_in_seconds_minutes_or_hours():
+    assert [st.duration(x) for x in (13.3, 600, 5000, 6240)] == ["13 s", "10 min", "83 min", "1.7 h"]

@@ -205,10 +205,17 @@ def time_line(planned, cfg) -> str | None:
     if gpu is None:
         return None
     predicted, steps = predict_step_time(planned.shape, planned.inputs, gpu), optimizer_steps(cfg)
-    whole = f"; {steps} steps: ~{predicted.step_s * steps / 60:.0f} min" if steps else ""
+    whole = f"; {steps} steps: ~{duration(predicted.step_s * steps)}" if steps else ""
     where = "measured there within 15% at 12 of 14 points" if gpu is H200 else \
         "a model from H200 measurements and this card's spec sheet, not a measurement"
     return f"time: {predicted.describe()}{whole} ({where})"
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '12 min', '3.5 h': a whole run's time at the precision a prediction has."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 90 * 60 else f"{seconds / 3600:.1f} h"
 
 
 def predicted_time(planned, cfg, verbose: bool = True) -> dict:
