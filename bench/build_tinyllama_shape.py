@@ -107,5 +107,13 @@ def build(shape: str, out: str, data_dir: Path, max_positions: int | None = None
           f"{len(tokenizer)} entries (ids < {config.vocab_size})")
 
 
+def shape_dir(shape: str) -> Path:
+    """/tmp/shape-<name>, built on first use on this machine (4,096 positions: the grids' longest points)."""
+    folder = Path(f"/tmp/shape-{shape}")
+    if not (folder / "config.json").exists():
+        build(shape, str(folder), Path(__file__).resolve().parent.parent / "data", max_positions=4096)
+    return folder
+
+
 if __name__ == "__main__":
     main()

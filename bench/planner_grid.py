@@ -174,6 +174,13 @@ def write_rows(tokenizer, path: Path, count: int, seq: int, seed: int) -> None:
             f.write(json.dumps({"text": tokenizer.decode(ids[:target])}) + "\n")
 
 
+def peak_memory(steps: list[dict]) -> dict:
+    """The highest NVML device-used (context included), PyTorch reserved and allocated GiB over a run's steps."""
+    return dict(measured_gib=max(m.get("device_used_gib") or 0 for m in steps),
+                reserved_gib=max(m.get("torch_peak_gib") or 0 for m in steps),
+                allocated_gib=max(m.get("torch_peak_allocated_gib") or 0 for m in steps))
+
+
 def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides: dict | None = None) -> dict:
     from transformers import AutoTokenizer
 
@@ -197,9 +204,7 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
     steps = [m for m in metrics if "loss" in m]
     if steps:
         row.update(
-            measured_gib=max(m.get("device_used_gib") or 0 for m in steps),
-            reserved_gib=max(m.get("torch_peak_gib") or 0 for m in steps),
-            allocated_gib=max(m.get("torch_peak_allocated_gib") or 0 for m in steps),
+            **peak_memory(steps),
             device_used_per_step=[round(m.get("device_used_gib") or 0, 4) for m in steps],
             median_step_s=sorted(m["step_s"] for m in steps)[len(steps) // 2],
         )
@@ -225,13 +230,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per point (more: a step time too)")
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
-    from build_tinyllama_shape import build
+    from build_tinyllama_shape import shape_dir
 
     work = Path(tempfile.mkdtemp(prefix="grid-"))
     if args.points == "autofit":
-        model_dir = Path("/tmp/shape-tinyllama-1.1b")
-        if not (model_dir / "config.json").exists():
-            build("tinyllama-1.1b", str(model_dir), ROOT / "data", max_positions=4096)
+        model_dir = shape_dir("tinyllama-1.1b")
         for pid, seq, extra in AUTOFIT:
             row = run_point((pid, "tinyllama-1.1b", seq, 1, 8, 8, QKVO, True, 4), model_dir, work,
                             steps=AUTOFIT_STEPS, overrides={k: v for k, v in extra.items()
@@ -252,18 +255,13 @@ def main() -> None:
     else:  # in the order given
         by_id = {p[0]: p for p in pool}
         chosen = [by_id[i] for i in args.points.split(",")]
-    built: dict[str, Path] = {}
     start = time.time()
     for point in chosen:
         if time.time() - start > args.deadline_s:
             print(f"[grid] deadline: {point[0]} and later points not run", flush=True)
             break
         shape = point[1]
-        if shape not in built:
-            built[shape] = Path(f"/tmp/shape-{shape}")
-            if not (built[shape] / "config.json").exists():
-                build(shape, str(built[shape]), ROOT / "data", max_positions=4096)
-        row = run_point(point, built[shape], work, steps=args.steps)
+        row = run_point(point, shape_dir(shape), work, steps=args.steps)
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         print(f"[grid] {row['id']:<4}{shape:<16}seq {point[2]:>5} b{point[3]}x{point[4]} r{point[5]:<3}"

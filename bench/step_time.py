@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from planner_grid import CARDS26, QKVO, write_rows  # noqa: E402
+from planner_grid import CARDS26, QKVO, peak_memory, write_rows  # noqa: E402
 
 WARMUP = 3
 # (id, shape, seq, micro-batch, accumulation, rank, targets, GC, budget GiB, extra RunConfig fields)
@@ -91,10 +91,7 @@ def measure(point, model_dir: Path, work: Path, steps: int) -> dict:
     if timed:
         row.update(median_step_s=statistics.median(m["step_s"] for m in timed),
                    step_s_all=[round(m["step_s"], 4) for m in steps_done],
-                   tokens_per_step=statistics.median(m.get("tokens", 0) for m in timed),
-                   measured_gib=max(m.get("device_used_gib") or 0 for m in steps_done),
-                   reserved_gib=max(m.get("torch_peak_gib") or 0 for m in steps_done),
-                   allocated_gib=max(m.get("torch_peak_allocated_gib") or 0 for m in steps_done))
+                   tokens_per_step=statistics.median(m.get("tokens", 0) for m in timed), **peak_memory(steps_done))
         row["profiled_tokens"] = steps_done[-1].get("tokens")
     if out_path.exists():
         row["busy"] = json.loads(out_path.read_text()).get("busy")
@@ -124,20 +121,16 @@ def main() -> None:
         return
     if not args.out:
         parser.error("--out is required")
-    from build_tinyllama_shape import build
+    from build_tinyllama_shape import shape_dir
 
     pool = {p[0]: p for points in SETS.values() for p in points}
     chosen = [p for name in args.points.split(",") for p in (SETS.get(name) or [pool[name]])]
-    work, built, start = Path(tempfile.mkdtemp(prefix="step-time-")), set(), time.time()
+    work, start = Path(tempfile.mkdtemp(prefix="step-time-")), time.time()
     for point in chosen:
         if time.time() - start > args.deadline_s:
             print(f"[step-time] deadline: {point[0]} and later points not run", flush=True)
             break
-        model_dir = Path(f"/tmp/shape-{point[1]}")
-        if point[1] not in built and not (model_dir / "config.json").exists():
-            build(point[1], str(model_dir), ROOT / "data", max_positions=4096)
-        built.add(point[1])
-        row = measure(point, model_dir, work, args.steps)
+        row = measure(point, shape_dir(point[1]), work, args.steps)
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         busy = row.get("busy") or {}

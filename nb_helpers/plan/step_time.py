@@ -202,9 +202,11 @@ def optimizer_steps(cfg) -> int | None:
 def time_line(planned, cfg) -> str | None:
     """One line for a plan: its predicted step time on the run's GPU (timing_gpu), and the whole run's."""
     gpu = timing_gpu(cfg)
-    if gpu is None:
-        return None
-    predicted, steps = predict_step_time(planned.shape, planned.inputs, gpu), optimizer_steps(cfg)
+    return None if gpu is None else line_for(predict_step_time(planned.shape, planned.inputs, gpu), gpu, cfg)
+
+
+def line_for(predicted: StepTime, gpu: dict, cfg) -> str:
+    steps = optimizer_steps(cfg)
     whole = f"; {steps} steps: ~{duration(predicted.step_s * steps)}" if steps else ""
     where = "measured there within 15% at 12 of 14 points" if gpu is H200 else \
         "a model from H200 measurements and this card's spec sheet, not a measurement"
@@ -223,10 +225,11 @@ def predicted_time(planned, cfg, verbose: bool = True) -> dict:
     gpu = timing_gpu(cfg)
     if gpu is None:
         return {"predicted_step_s": None, "predicted_step_gpu": None, "predicted_for_this_gpu": False}
+    predicted = predict_step_time(planned.shape, planned.inputs, gpu)
     if verbose:
-        print(f"[plan] {time_line(planned, cfg)}")
+        print(f"[plan] {line_for(predicted, gpu, cfg)}")
     here = this_gpu_name() or ""
-    return {"predicted_step_s": predict_step_time(planned.shape, planned.inputs, gpu).step_s,
+    return {"predicted_step_s": predicted.step_s,
             "predicted_step_gpu": gpu["name"],
             "predicted_for_this_gpu": any(name in here for name in gpu.get("device_names", ()))}
 
