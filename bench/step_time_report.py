@@ -48,7 +48,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
     targets = ("all-linear",) if row["targets"] == "all-linear" else tuple(row["targets"].split(","))
     return shape, PlanInput(seq=row["seq"], batch=row["batch"], accum=row["accum"], rank=row["rank"],
                             targets=targets, gradient_checkpointing=row["gc"], fused_kernels=True,
-                            offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")))
+                            offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")),
+                            dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")))  # from device call 31
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:

@@ -77,6 +77,9 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again
+        run("w2048", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
         # twenty-fifth device call: at 8 x 2048, graphed layers at 2 x 4 (they fit 4 GiB without offload) against
         # auto-fit's eager 8 x 1 with offload (graphs remove the host's launches; more micro-steps add host work)
         run("w2048", "graphs-2x4", 2, 4, cuda_graphs=True),

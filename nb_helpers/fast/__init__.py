@@ -93,7 +93,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     the allocator really took (a user's own PYTORCH_CUDA_ALLOC_CONF wins), where the run set it."""
     import torch
 
-    from nb_helpers.fast.checkpoints import graphs_on, pad_multiple
+    from nb_helpers.fast.checkpoints import graphs_on, pad_multiple, tail_lever_on
 
     if not torch.cuda.is_available():
         return {}
@@ -104,8 +104,9 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran.update(graphs=graphs_on(model) and checkpointing, pad_lengths=pad_multiple(model) is not None,
                offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
                reentrant=fast.reentrant and checkpointing)
+    ran["dead_tail"] = tail_lever_on(model) and checkpointing
     if not ran.get("fused_lora"):
-        ran["direct_dequant"] = False  # the fused layers are what call the kernels directly
+        ran["direct_dequant"] = ran["dead_tail"] = False  # the fused layers are what call the kernels and skip
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

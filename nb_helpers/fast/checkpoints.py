@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from nb_helpers.fast import compat
+from nb_helpers.fast import compat, recompute
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
 from nb_helpers.fast.options import options_of
@@ -43,20 +43,31 @@ def pad_multiple(model) -> int | None:
     return None
 
 
+def tail_lever_on(model=None) -> bool:
+    """Whether this model's checkpointed layers skip their dead product in the recompute (fast.recompute): the lever,
+    reentrant checkpoints, and the fused 4-bit layers that do the skipping."""
+    fast = options_of(model)
+    return bool(fast.dead_tail and fast.reentrant and fast.fused_lora)
+
+
 def set_checkpoint_offload(model, offload: bool) -> None:
     """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
-    (graphs_on), both, or torch's plain checkpoint."""
+    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on)."""
     from torch.utils.checkpoint import checkpoint
 
-    graphs = graphs_on(model)
+    graphs, tail = graphs_on(model), tail_lever_on(model)
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     for layer in compat.checkpointed_layers(model):
-        compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else plain)
+        recompute.mark(layer, tail)
+        function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
+                                                            checkpoint=plain)
+        compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
 
 
 def graphed_function(layer, offload: bool):
     """The layer's graphed checkpoint, its saved input in CPU RAM with `offload` (the same saved-tensor hooks as
-    offloaded_checkpoint). Its graphs live as long as the layer (graphed_layers.reset drops them)."""
+    offloaded_checkpoint). Its graphs live as long as the layer (graphed_layers.reset drops them). Its recompute runs
+    inside fast.recompute.recomputing (a no-op unless the layer is marked)."""
     if getattr(layer, "_nb_graphs", None) is None:
         layer._nb_graphs = LayerGraphs(layer)
     if not offload:
@@ -84,7 +95,7 @@ def install_offload(model, offload: bool) -> bool:
 
     def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
         enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-        if model._nb_offload or graphs_on(model):
+        if model._nb_offload or graphs_on(model) or tail_lever_on(model):
             set_checkpoint_offload(model, model._nb_offload)
         if model._nb_offload:
             say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")

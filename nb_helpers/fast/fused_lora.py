@@ -14,6 +14,9 @@ call, most of it in peft's and bitsandbytes' wrappers). The math stays the recip
   * Dequantization (`_dequantize`): bitsandbytes' own CUDA kernels, called directly; where they are not reachable,
     its public dequantize_4bit (the same bits, more host time).
 
+In a checkpointed layer's recompute, the layer whose product nothing reads (fast.recompute: the MLP's down projection
+in Llama-style layers) skips its matmul and hands on zeros; a LoRA layer there still computes what its backward reads.
+
 Each patched layer falls back to its own forward whenever it is in a state this does not cover (adapters disabled or
 merged, several adapters, DoRA or another variant, mixed-adapter batches).
 """
@@ -24,6 +27,7 @@ import types
 
 import torch
 
+from nb_helpers.fast import recompute
 from nb_helpers.frontend import say_once
 
 
@@ -80,19 +84,23 @@ def _probe_kernels():
         return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool):
+def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False):
     """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
-    evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws."""
+    evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws. `dead`: the
+    output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it."""
     flat = x.reshape(-1, x.shape[-1])
-    out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
-                                     bias.to(x.dtype))
     if dropout_p > 0:
         dropped, mask = torch.native_dropout(flat, dropout_p, True)
     else:
         dropped, mask = flat, None
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
     down = dropped @ a.t()
-    out.addmm_(down, b.t(), alpha=scaling)
+    if dead:
+        out = down.new_zeros(flat.shape[0], b.shape[0])
+    else:
+        out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
+                                         bias.to(x.dtype))
+        out.addmm_(down, b.t(), alpha=scaling)
     return out.view(*x.shape[:-1], out.shape[-1]), (dropped, down, mask, a, b)
 
 
@@ -100,8 +108,10 @@ class LoRA4bitLinear(torch.autograd.Function):
     """y = x W^T + b + s * dropout(x) A^T B^T, with W in NF4; gradients for x, A and B only (the base is frozen)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False):
-        out, (dropped, down, mask, a, b) = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct)
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False,
+                dead: bool = False):
+        out, (dropped, down, mask, a, b) = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct,
+                                                        dead)
         ctx.save_for_backward(dropped, down, mask, a, b)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -114,28 +124,31 @@ class LoRA4bitLinear(torch.autograd.Function):
         grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
         grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
         grad_a = grad_down.t() @ dropped  # (r, in)
-        grad_x = grad @ _dequantize(ctx.weight, ctx.direct).to(grad.dtype)
-        if mask is None:
-            grad_x.addmm_(grad_down, a)
-        else:
-            lora_x = torch.ops.aten.native_dropout_backward(grad_down @ a, mask, 1.0 / (1.0 - ctx.dropout_p))
-            grad_x.add_(lora_x)
+        grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add
+        if mask is not None:
+            grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
+        grad_x.addmm_(grad, _dequantize(ctx.weight, ctx.direct).to(grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
-                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None)
+                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None)
 
 
 class Frozen4bitLinear(torch.autograd.Function):
-    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed)."""
+    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed). `dead`: the
+    output is read by nothing (fast.recompute): zeros stand for it, and the backward is the same."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, direct: bool = False):
+    def forward(ctx, x, weight, bias, direct: bool = False, dead: bool = False):
         ctx.weight, ctx.direct = weight, direct
+        if dead:
+            kind = x.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+            return x.new_zeros(*x.shape[:-1], weight.quant_state.shape[0], dtype=dtype)
         return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype),
                                           None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ _dequantize(ctx.weight, ctx.direct).to(grad_out.dtype), None, None, None
+        return grad_out @ _dequantize(ctx.weight, ctx.direct).to(grad_out.dtype), None, None, None, None
 
 
 def _lora_forward(self, x, *args, **kwargs):
@@ -148,7 +161,11 @@ def _lora_forward(self, x, *args, **kwargs):
     p = float(getattr(dropout, "p", 0.0)) if self.training else 0.0
     args = (x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]),
             p, self._nb_direct)
-    return LoRA4bitLinear.apply(*args) if torch.is_grad_enabled() else _lora_linear(*args)[0]
+    if not torch.is_grad_enabled():
+        return _lora_linear(*args)[0]
+    out = LoRA4bitLinear.apply(*args, recompute.is_dead(self))
+    recompute.returned(self)
+    return out
 
 
 def _frozen_forward(self, x):
@@ -158,7 +175,9 @@ def _frozen_forward(self, x):
     if not torch.is_grad_enabled():  # no autograd Function to set up: the same dequantize and matmul
         return torch.nn.functional.linear(x, _dequantize(self.weight, self._nb_direct).to(x.dtype),
                                           None if self.bias is None else self.bias.to(x.dtype))
-    return Frozen4bitLinear.apply(x, self.weight, self.bias, self._nb_direct)
+    out = Frozen4bitLinear.apply(x, self.weight, self.bias, self._nb_direct, recompute.is_dead(self))
+    recompute.returned(self)
+    return out
 
 
 def install(model, direct_dequant: bool = True) -> int:

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from nb_helpers.fast import recompute
 from nb_helpers.frontend import say_once
 
 PAD_MULTIPLE = 64  # tokens: shapes a run meets (8 x 512 rows: one; the shipped data, 8 x ~110: 128 and rarely 64)
@@ -165,7 +166,7 @@ def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
     params = [module._parameters[name] for module, name in owners]
     leaves, spec = tree_flatten((args, kwargs))
     plan = _Plan(function, spec, leaves, graphs, _signature(leaves, params))
-    plan.owners = owners
+    plan.owners, plan.layer = owners, layer
     flat_out = _GraphedCheckpoint.apply(plan, *plan.tensors, *params)
     return tree_unflatten(list(flat_out), plan.out_spec)
 
@@ -265,7 +266,8 @@ def _differentiate(plan, tensors, needs, grad_outputs, autocast):
     """The recompute and its gradients: for each input (None where it needs none), then for the trainable weights."""
     inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
     with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
-        outputs = plan.call(inputs)
+        with recompute.recomputing(plan.layer):
+            outputs = plan.call(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
         wrt = [t for t in inputs if t.requires_grad] + weights
         grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))

@@ -30,6 +30,8 @@ class FastOptions:
     direct_optim: bool = True  # bitsandbytes' AdamW kernels called directly (fast.optimizer_step); CUDA
     pad_lengths: bool = True  # eager batches padded to a multiple of 64 tokens, as graphs' are: cuDNN's attention
     #                           builds plans for each new length (0.15 s a new length at 8 x 2048 on an H200); CUDA
+    dead_tail: bool = True  # a checkpointed layer's recompute skips the product nothing reads (the MLP's down
+    #                         projection in Llama-style layers; fast.recompute); CUDA, reentrant, fused_lora
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -110,4 +112,6 @@ LEVERS = {
                      "44,448 against 38,693 tokens/s at 8 x 2048 in one call, within noise in the next"),
     "pad_lengths": ("batches padded to a multiple of 64 tokens, so cuDNN plans its attention once per length",
                     "56,327 against 47,469 tokens/s at 8 x 2048"),
+    "dead_tail": ("the recompute under gradient checkpointing skips the one product its backward never reads",
+                  "measured in device call 31 (bench/NOTES.md)"),
 }

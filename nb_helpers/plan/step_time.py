@@ -9,6 +9,7 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
     attention    the causal score and value products (half a square per layer; window layers a full band), with a
                  flash backward of 2.5 forwards
     dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and a launch per layer
+    (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
                  (liger's fused kernels touch fewer), and a fixed cost per layer pass
 
@@ -84,10 +85,25 @@ class StepTime:
                 f"GPU busy {self.gpu_busy_s:.2f} s, host {self.host_s:.2f} s)")
 
 
+def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
+    """4-bit weights and GEMMs per decoder layer that the recompute multiplies by. With the dead_tail lever the MLP's
+    down projection is left out where the layer saves nothing after it: two norms per layer (Llama, Mistral, Qwen,
+    Phi, SmolLM3); Gemma's norm after the MLP reads it. fast.recompute finds this on the model itself."""
+    dims = shape.linear_dims()
+    per_layer = sum(a * b for a, b in dims.values())
+    if getattr(inp, "dead_tail", False) and shape.norms_per_layer == 2:
+        skipped_in, skipped_out = dims["down_proj"]
+        return per_layer - skipped_in * skipped_out, len(dims) - 1
+    return per_layer, len(dims)
+
+
 def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     """The units of GPU_SECONDS one micro-step of this plan does."""
     batch, seq, gc, layers = inp.batch, inp.seq, int(inp.gradient_checkpointing), shape.layers
     tokens, passes, dims = batch * seq, 2 + gc, shape.linear_dims()
+    recomputed, recomputed_gemms = recomputed_params(shape, inp)
+    weights_per_pass = shape.linear_params * 2 + gc * recomputed * layers  # forward, backward, the recompute
+    gemms = layers * (len(dims) * 2 + gc * recomputed_gemms)
     targets = plan_targets(shape, inp.targets)
     lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
     forward_attention = 2 * 2 * batch * shape.heads * shape.head_dim * seq  # times the keys each query sees
@@ -97,14 +113,14 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     q_and_k = (shape.heads + shape.kv_heads) * shape.head_dim * (2 if shape.qk_norm else 1)
     norm_elements = tokens * layers * (shape.norms_per_layer * shape.hidden + q_and_k) * (1 + gc)
     return {
-        "matmul_flops": 2 * tokens * shape.linear_params * passes + 4 * tokens * shape.hidden * shape.vocab,
-        "gemm_launches": layers * len(dims) * passes + 2,
+        "matmul_flops": 2 * tokens * weights_per_pass + 4 * tokens * shape.hidden * shape.vocab,
+        "gemm_launches": gemms + 2,
         "lora_bytes": layers * lora_passes * sum(2 * tokens * (dims[t][0] + dims[t][1]) for t in targets),
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
-        "dequant_bytes": 2.5 * shape.linear_params * passes,
-        "dequant_launches": 2 * layers * len(dims) * passes,
+        "dequant_bytes": 2.5 * weights_per_pass,
+        "dequant_launches": 2 * gemms,
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
         "loss_elements": tokens * shape.vocab,

@@ -1,0 +1,144 @@
+"""The recompute skips the product its backward never reads (nb_helpers.fast.recompute): the same loss and gradients,
+the down projection's matmul gone from every recompute after the probe, and a layer that saves a tensor after its last
+linear (Gemma's norm after the MLP) keeps it. On the CPU with the real fused 4-bit layers in fp32; on the GPU (marked)
+with CUDA graphs and offload."""
+
+import pytest
+import torch
+
+from nb_helpers.fast import checkpoints, fused_lora, recompute
+from nb_helpers.fast.mask import decoder_of
+from nb_helpers.fast.options import FastOptions
+
+
+def _model(tiny_cfg, dtype="float32", kernels=False):
+    from nb_helpers.lora import attach_lora
+    from nb_helpers.models import ModelChoice, load_4bit
+
+    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1)
+    torch.manual_seed(0)
+    model = attach_lora(load_4bit(cfg, ModelChoice(cfg.model, "tiny", "test")), cfg,
+                        fast=FastOptions(lean=True, kernels=kernels, nomask=False))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; a random B makes every LoRA gradient count
+            torch.nn.init.normal_(param, std=0.5)
+    if not torch.cuda.is_available():
+        assert fused_lora.install(model) > 0  # the fast path installs them on CUDA only; the CPU test does it here
+    model.enable_input_require_grads()
+    model.train()
+    return model
+
+
+def _use(model, dead_tail: bool, offload: bool = False, graphs: bool = False):
+    model._nb_fast = FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs)
+    model._nb_use_graphs = graphs
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpoints.set_checkpoint_offload(model, offload)
+
+
+def _step(model, ids, autocast=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the same dropout masks in every run
+    with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def _dequantized(monkeypatch, model):
+    """Counts of fused_lora._dequantize calls per 4-bit layer name."""
+    names = {id(m.weight): name for name, m in model.named_modules() if hasattr(getattr(m, "weight", None),
+                                                                              "quant_state")}
+    counts: dict = {}
+    real = fused_lora._dequantize
+
+    def counting(weight, direct=False):
+        counts[names.get(id(weight), "?")] = counts.get(names.get(id(weight), "?"), 0) + 1
+        return real(weight, direct)
+
+    monkeypatch.setattr(fused_lora, "_dequantize", counting)
+    return counts
+
+
+def test_the_recompute_skips_the_down_projection_with_the_same_gradients(tiny_cfg, monkeypatch):
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = _model(tiny_cfg)
+    _use(model, dead_tail=False)
+    runs_off = [_step(model, ids) for _ in range(2)]
+    _use(model, dead_tail=True)
+    counts = _dequantized(monkeypatch, model)
+    runs_on = [_step(model, ids)]  # the probe: each layer's first recompute runs whole
+    layers = decoder_of(model).layers
+    assert all(recompute.dead_module(layer) is layer.mlp.down_proj for layer in layers)
+    counts.clear()
+    runs_on.append(_step(model, ids))
+    downs = {name: n for name, n in counts.items() if name.endswith("down_proj")}
+    gates = {name: n for name, n in counts.items() if name.endswith("gate_proj")}
+    assert len(downs) == len(layers) and set(downs.values()) == {2}, downs  # forward and backward, no recompute
+    assert set(gates.values()) == {3}, gates  # forward, recompute, backward
+    for (loss_off, grads_off), (loss_on, grads_on) in zip(runs_off, runs_on):
+        assert torch.equal(loss_off, loss_on)
+        assert len(grads_on) == len(grads_off) > 0
+        for a, b in zip(grads_off, grads_on):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_a_tensor_saved_after_the_last_linear_keeps_its_product(tiny_cfg):
+    """Gemma-style: a norm after the MLP saves the down projection's output, so nothing is dead and the gradients are
+    still the plain checkpoint's."""
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _model(tiny_cfg)
+    for layer in decoder_of(model).layers:
+        mlp_forward = layer.mlp.forward
+        layer.mlp.forward = lambda x, mlp_forward=mlp_forward: torch.nn.functional.rms_norm(
+            mlp_forward(x), (x.shape[-1],))
+    _use(model, dead_tail=False)
+    loss_off, grads_off = _step(model, ids)
+    _use(model, dead_tail=True)
+    loss_on, grads_on = _step(model, ids)
+    assert all(recompute.dead_module(layer) is False for layer in decoder_of(model).layers)
+    assert torch.equal(loss_off, loss_on)
+    for a, b in zip(grads_off, grads_on):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_the_lever_follows_the_options_and_marks_probe_again():
+    from types import SimpleNamespace
+
+    assert checkpoints.tail_lever_on(SimpleNamespace(_nb_fast=FastOptions(dead_tail=True, reentrant=True,
+                                                                          fused_lora=True)))
+    for off in ({"dead_tail": False}, {"reentrant": False}, {"fused_lora": False}):
+        fast = FastOptions(**{"dead_tail": True, "reentrant": True, "fused_lora": True, **off})
+        assert not checkpoints.tail_lever_on(SimpleNamespace(_nb_fast=fast)), off
+    layer = SimpleNamespace()
+    recompute.mark(layer, True)
+    with recompute.recomputing(layer):  # a recompute with no 4-bit layer in it: nothing to skip
+        pass
+    assert recompute.dead_module(layer) is False
+    recompute.mark(layer, True)
+    assert recompute.dead_module(layer) is None  # marked again: probed again
+    recompute.mark(layer, False)
+    with recompute.recomputing(layer):
+        assert not recompute.is_dead(object())
+    assert recompute.dead_module(layer) is None  # the lever off: no probe
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs,offload", [(False, False), (False, True), (True, False), (True, True)])
+def test_on_the_gpu_the_skip_keeps_the_gradients_eager_graphed_and_offloaded(tiny_cfg, graphs, offload):
+    from nb_helpers.fast import graphed_layers
+
+    graphed_layers.reset()
+    model = _model(tiny_cfg, dtype="bfloat16", kernels=True)
+    ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    _use(model, dead_tail=False, offload=offload, graphs=graphs)
+    off = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    graphed_layers.reset()
+    _use(model, dead_tail=True, offload=offload, graphs=graphs)
+    on = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    assert all(recompute.dead_module(layer) is layer.mlp.down_proj for layer in decoder_of(model).layers)
+    for (loss_off, grads_off), (loss_on, grads_on) in zip(off, on):
+        assert torch.isfinite(loss_on) and torch.allclose(loss_off, loss_on, rtol=1e-3), (loss_off, loss_on)
+        for a, b in zip(grads_off, grads_on):
+            assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3 * a.abs().max().item())
+    graphed_layers.reset()
