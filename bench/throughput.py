@@ -77,6 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # thirty-second device call: LoRA's dropout inside its rank-r products (fast.lora_dropout), taken out again
+        run("w2048", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
+            steps=steps + 1),
+        run("w512", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True, steps=steps + 1),
         # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again
         run("w2048", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
