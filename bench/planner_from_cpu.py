@@ -14,7 +14,6 @@ prepare_model_for_kbit path, offload without overlap, levers alone) are left out
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -45,16 +44,9 @@ def config_of(row: dict) -> RunConfig:
 
 
 def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:
-    """The plan today's code makes for the point, with the levers the point ran: a run from before LoRA's dropout
-    kernels (device call 32) is planned with them off (NB_FASTPATH, as a user would turn them off)."""
     shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
-    before = os.environ.get("NB_FASTPATH")
-    os.environ["NB_FASTPATH"] = "" if row["path"].get("dropout_kernels") else "dropout_kernels=0"
-    try:
-        return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
-                               gpu_extras=gpu_extras).peak_gib
-    finally:
-        os.environ.pop("NB_FASTPATH") if before is None else os.environ.update(NB_FASTPATH=before)
+    return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
+                           gpu_extras=gpu_extras).peak_gib
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -80,10 +80,7 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
         graphs = any("checkpointed layers replayed as CUDA graphs" in line for line in log)
     # runs before the side-stream copies (2026-11-30 and earlier) copied on the compute stream: no input in flight
     overlap = "offload_overlap" not in off and not overlap_before
-    # LoRA's dropout kernels (from device call 32): the run's own "levers on" line says whether they ran
-    kernels = any(line.startswith("[fast] levers on:") and "dropout_kernels" in line.split(";")[0]
-                  for line in log or [])
-    return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"}, dropout_kernels=kernels,
+    return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
                 offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off)
 

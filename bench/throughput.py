@@ -77,10 +77,8 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # thirty-second device call: LoRA's dropout inside its rank-r products (fast.lora_dropout), taken out again
-        run("w2048", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        run("w512", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True, steps=steps + 1),
+        # thirty-second device call: LoRA's dropout drawn inside its rank-r products by Triton kernels (commit
+        # 9fdf01b), taken out again as `no-dropout-kernels`: slower (bench/NOTES.md), removed
         # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again
         run("w2048", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
@@ -254,37 +252,42 @@ def save_trace(prof, folder: Path, spec: dict) -> dict:
 
 
 def busy_share(prof, wall_s: float) -> dict:
-    """Union of GPU kernel and copy intervals over the wall time of the profiled step."""
+    """Union of GPU kernel and copy intervals over the wall time of the profiled step; `compute_busy_s` leaves the
+    copies out (an offloaded checkpoint's copy running while the compute waits on the host counts as busy otherwise)."""
     intervals, by_name = [], {}
     try:
         for e in prof.profiler.kineto_results.events():
             if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
-                intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+                copy = any(k in e.name().lower() for k in ("memcpy", "memset"))
+                intervals.append((e.start_ns(), e.start_ns() + e.duration_ns(), copy))
                 by_name[e.name()[:80]] = by_name.get(e.name()[:80], 0) + e.duration_ns()
     except Exception:  # noqa: BLE001 - older/newer profiler API
         from torch.autograd import DeviceType
 
         for e in prof.events():
             if e.device_type == DeviceType.CUDA:
-                intervals.append((e.time_range.start * 1000, e.time_range.end * 1000))
-    intervals.sort()
-    busy, end = 0, None
-    for a, b in intervals:
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
+                intervals.append((e.time_range.start * 1000, e.time_range.end * 1000, "memcpy" in e.name.lower()))
+    busy, compute = union_ns(intervals), union_ns([i for i in intervals if not i[2]])
     copies = sum(t for name, t in by_name.items() if "memcpy" in name.lower())
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     categories: dict[str, float] = {}
     for name, t in by_name.items():
         categories[kernel_category(name)] = categories.get(kernel_category(name), 0.0) + t / 1e9
-    return {"busy_s": busy / 1e9, "wall_s": wall_s, "busy_share": busy / 1e9 / wall_s if wall_s else None,
-            "gpu_events": len(intervals), "copy_s": copies / 1e9,
+    return {"busy_s": busy / 1e9, "compute_busy_s": compute / 1e9, "wall_s": wall_s,
+            "busy_share": busy / 1e9 / wall_s if wall_s else None, "gpu_events": len(intervals), "copy_s": copies / 1e9,
             "categories_s": {k: round(v, 5) for k, v in sorted(categories.items())},
             "top_kernels_s": {name: round(t / 1e9, 4) for name, t in top}}
+
+
+def union_ns(intervals) -> float:
+    """Total length of the union of (start, end, ...) intervals."""
+    busy, end = 0, None
+    for a, b, *_ in sorted(intervals):
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    return busy
 
 
 def kernel_category(name: str) -> str:
@@ -412,6 +415,8 @@ def summarize(spec: dict, result: dict) -> dict:
     if busy and spec.get("profile") and records:  # the profiled step's own tokens (the last step unless asked)
         profiled = records[min(spec.get("profile_step", spec["steps"] - 1), len(records) - 1)]
         busy["us_per_token"] = busy["busy_s"] * 1e6 / profiled["tokens"] if profiled.get("tokens") else None
+        busy["compute_us_per_token"] = busy["compute_busy_s"] * 1e6 / profiled["tokens"] if profiled.get("tokens") \
+            else None
     device = [r["device_used_gib"] for r in records if r.get("device_used_gib") is not None]
     reserved = [r["torch_peak_gib"] for r in records if r.get("torch_peak_gib") is not None]
     allocated = [r["torch_peak_allocated_gib"] for r in records if r.get("torch_peak_allocated_gib") is not None]

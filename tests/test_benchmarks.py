@@ -86,3 +86,17 @@ def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
                                              pytest.approx(0.02)}
     assert report["host_syncs"] == {"cudaStreamSynchronize in (no CPU op: Python between ops)": {"count": 1,
                                                                                                  "ms": 0.04}}
+
+
+def test_busy_time_is_the_union_of_intervals_and_compute_leaves_the_copies_out():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from throughput import union_ns
+
+    kernels = [(0, 10, False), (5, 20, False), (30, 40, False)]
+    copies = [(15, 35, True)]
+    assert union_ns(kernels) == 30  # 0-20 and 30-40
+    assert union_ns(kernels + copies) == 40  # the copy fills 20-30
+    assert union_ns([]) == 0

@@ -61,12 +61,7 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     if fast.fused_lora:
         from nb_helpers.fast.fused_lora import apply_fused_lora
 
-        record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant,
-                                                     dropout_kernels=fast.dropout_kernels))
-        if fast.dropout_kernels:
-            from nb_helpers.fast.lora_dropout import kernels
-
-            record(model, "dropout_kernels", kernels() is not None)
+        record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant))
     if cfg.fast_path:
         install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
     elif cfg.offload_checkpoints:
@@ -111,7 +106,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     if not ran.get("fused_lora"):
-        ran["direct_dequant"] = ran["dead_tail"] = ran["dropout_kernels"] = False  # the fused layers do these
+        ran["direct_dequant"] = ran["dead_tail"] = False  # the fused layers are what call the kernels and skip
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

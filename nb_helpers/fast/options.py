@@ -32,8 +32,6 @@ class FastOptions:
     #                           builds plans for each new length (0.15 s a new length at 8 x 2048 on an H200); CUDA
     dead_tail: bool = True  # a checkpointed layer's recompute skips the product nothing reads (the MLP's down
     #                         projection in Llama-style layers; fast.recompute); CUDA, reentrant, fused_lora
-    dropout_kernels: bool = True  # LoRA's dropout drawn inside its rank-r products, no dropped copy or mask kept
-    #                               (fast.lora_dropout, Triton); CUDA, fused_lora, 16-bit inputs
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -116,6 +114,4 @@ LEVERS = {
                     "56,327 against 47,469 tokens/s at 8 x 2048"),
     "dead_tail": ("the recompute under gradient checkpointing skips the one product its backward never reads",
                   "58,451 against 54,351 tokens/s at 8 x 2048 (GPU busy 15.4 against 15.9 us/token)"),
-    "dropout_kernels": ("LoRA's dropout drawn inside its rank-r products (Triton): no dropped copy, no mask kept",
-                        "measured in device call 32 (bench/NOTES.md)"),
 }
