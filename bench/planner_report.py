@@ -57,7 +57,15 @@ STEP_TIME = {"step_time-call28-838da76.jsonl": "step-time runs (issue 26, call 2
 THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, held out)", True, None),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
               # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too
-              "raw/throughput-call11-646270b.json": ("graphed layers, throughput runs (fitted)", True, {"w2048"})}
+              "raw/throughput-call11-646270b.json": ("graphed layers, throughput runs (fitted)", True, {"w2048"}),
+              # issue 27 (2026-12-02): the recompute's dead product skipped (dead_tail; calls 31 and 33) and, in
+              # call 32, only the runs without the LoRA dropout kernels (removed since): held out
+              "raw/throughput-call31-dca9720.json": ("dead tail, throughput runs (call 31, held out)", True, None),
+              "raw/throughput-call32-9fdf01b.json": ("dead tail, throughput runs (call 32, held out)", True, None,
+                                                     {"no-dropout-kernels"}),
+              "raw/throughput-call33-e14dedb.json": ("dead tail, throughput runs (call 33, held out)", True, None),
+              "raw/throughput-call33-e14dedb-w512-turing.json": ("GTX 1650 card, bf16 and fp16 (call 33, held out)",
+                                                                 True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
@@ -106,22 +114,24 @@ def rows():
             r = json.loads(line)
             if r["returncode"] == 0 and r.get("measured_gib"):
                 yield role, r, flags(None, True, r.get("log") or [])
-    for name, (role, expandable, only) in THROUGHPUT.items():
+    for name, (role, expandable, only, *runs) in THROUGHPUT.items():
         data = json.loads((RESULTS / name).read_text())
         workloads = {k: v for k, v in data["workloads"].items() if only is None or k in only}
-        yield from throughput_rows(workloads, role, expandable, "" if only is None else "@call11")
+        suffix = "@" + name.split("-")[1] if name.startswith("raw/") else ""  # raw/throughput-callN-...: @callN
+        yield from throughput_rows(workloads, role, expandable, suffix, runs=runs[0] if runs else None)
         for key, (earlier_role, before_overlap) in EARLIER.items():
             if key in data.get("earlier", {}):
                 yield from throughput_rows(data["earlier"][key]["workloads"], earlier_role, expandable, f"@{key}",
                                            before_overlap)
 
 
-def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, before_overlap: bool = False):
+def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, before_overlap: bool = False,
+                    runs: set | None = None):
     for workload, entry in workloads.items():
         if workload == "shipped":  # ragged rows: the planner plans for full-length ones (max_length)
             continue
         for run, r in entry["runs"].items():
-            if r.get("recipe") != "ours" or r.get("returncode") != 0:
+            if r.get("recipe") != "ours" or r.get("returncode") != 0 or (runs is not None and run not in runs):
                 continue
             yield role, dict(id=f"{workload}/{run}{suffix}", shape="tinyllama-1.1b", seq=entry["seq"],
                              batch=r["micro_batch"],
