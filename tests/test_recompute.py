@@ -11,11 +11,11 @@ from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
 
 
-def _model(tiny_cfg, dtype="float32", kernels=False):
+def _model(tiny_cfg, dtype="float32", kernels=False, targets=None):
     from nb_helpers.lora import attach_lora
     from nb_helpers.models import ModelChoice, load_4bit
 
-    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1)
+    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1, target_modules=targets or tiny_cfg.target_modules)
     torch.manual_seed(0)
     model = attach_lora(load_4bit(cfg, ModelChoice(cfg.model, "tiny", "test")), cfg,
                         fast=FastOptions(lean=True, kernels=kernels, nomask=False))
@@ -47,8 +47,8 @@ def _step(model, ids, autocast=None):
 
 def _dequantized(monkeypatch, model):
     """Counts of fused_lora._dequantize calls per 4-bit layer name."""
-    names = {id(m.weight): name for name, m in model.named_modules() if hasattr(getattr(m, "weight", None),
-                                                                              "quant_state")}
+    names = {id(m.weight): name.removesuffix(".base_layer") for name, m in model.named_modules()
+             if hasattr(getattr(m, "weight", None), "quant_state")}  # a LoRA target's 4-bit weight: its base_layer
     counts: dict = {}
     real = fused_lora._dequantize
 
@@ -60,9 +60,12 @@ def _dequantized(monkeypatch, model):
     return counts
 
 
-def test_the_recompute_skips_the_down_projection_with_the_same_gradients(tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("targets", [None, ["all-linear"]])
+def test_the_recompute_skips_the_down_projection_with_the_same_gradients(tiny_cfg, monkeypatch, targets):
+    """With q,k,v,o targets the down projection is a frozen layer; with all-linear a LoRA layer, whose skipped
+    recompute still computes what LoRA's backward reads."""
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    model = _model(tiny_cfg)
+    model = _model(tiny_cfg, targets=targets)
     _use(model, dead_tail=False)
     runs_off = [_step(model, ids) for _ in range(2)]
     _use(model, dead_tail=True)
