@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from build_tinyllama_shape import shape_config  # noqa: E402
+from planner_report import flags  # noqa: E402
 
 from nb_helpers.plan import step_time as st  # noqa: E402
 from nb_helpers.plan.architecture import Shape  # noqa: E402
@@ -120,7 +121,8 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
 
 
 def throughput_rows() -> list[dict]:
-    """bench/throughput.py's profiled runs of our path as step-time rows (offload and graphs from each run's log)."""
+    """bench/throughput.py's profiled runs of our path as step-time rows (offload and graphs from each run's log, as
+    bench/planner_report.py reads them)."""
     rows = []
     for name, keep in CHANGED_PATH.items():
         data = json.loads((ROOT / "bench" / "results" / "raw" / name).read_text())
@@ -128,13 +130,12 @@ def throughput_rows() -> list[dict]:
             for run, r in entry["runs"].items():
                 if r.get("recipe") != "ours" or not r.get("busy") or (keep is not None and run not in keep):
                     continue
-                chosen = next((line for line in r.get("log", []) if line.startswith("[auto-fit] chose")), "")
+                path = flags(None, True, r.get("log") or [])
                 rows.append(dict(id=f"{workload}/{run}@{name.split('-')[1]}", shape="tinyllama-1.1b",
                                  seq=entry["seq"], batch=r["micro_batch"], accum=r["accum"], rank=8,
                                  targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"], source=name,
                                  median_step_s=r["median_step_s"], busy=r["busy"], fast_levers=r.get("fast_levers"),
-                                 chosen={"offload_checkpoints": "checkpoints in CPU RAM" in chosen,
-                                         "cuda_graphs": "layers as CUDA graphs" in chosen}))
+                                 chosen={"offload_checkpoints": path["offload"], "cuda_graphs": path["graphs"]}))
     return rows
 
 

@@ -90,7 +90,7 @@ def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
     down projection is left out where the layer saves nothing after it: two norms per layer (Llama, Mistral, Qwen,
     Phi, SmolLM3); Gemma's norm after the MLP reads it. fast.recompute finds this on the model itself."""
     dims = shape.linear_dims()
-    per_layer = sum(a * b for a, b in dims.values())
+    per_layer = shape.linear_params // shape.layers
     if getattr(inp, "dead_tail", False) and shape.norms_per_layer == 2:
         skipped_in, skipped_out = dims["down_proj"]
         return per_layer - skipped_in * skipped_out, len(dims) - 1
