@@ -44,10 +44,8 @@ def pad_multiple(model) -> int | None:
 
 
 def tail_lever_on(model=None) -> bool:
-    """Whether this model's checkpointed layers skip their dead product in the recompute (fast.recompute): the lever,
-    reentrant checkpoints, and the fused 4-bit layers that do the skipping."""
-    fast = options_of(model)
-    return bool(fast.dead_tail and fast.reentrant and fast.fused_lora)
+    """Whether this model's checkpointed layers skip their dead product in the recompute (FastOptions.skips_dead_tail)."""
+    return options_of(model).skips_dead_tail()
 
 
 def set_checkpoint_offload(model, offload: bool) -> None:

@@ -52,6 +52,11 @@ class FastOptions:
     def for_run(cls, cfg) -> "FastOptions":
         return cls.from_env(fast_path=cfg.fast_path)
 
+    def skips_dead_tail(self) -> bool:
+        """Whether checkpointed recomputes skip their dead product (fast.recompute): the lever, reentrant checkpoints,
+        and the fused 4-bit layers that do the skipping."""
+        return bool(self.dead_tail and self.reentrant and self.fused_lora)
+
     def speed_levers(self) -> dict[str, bool]:
         """The levers proper: everything but `lean`, which is the recipe's own prepare rather than a speed-up."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lean"}

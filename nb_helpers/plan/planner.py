@@ -306,7 +306,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=cfg.fast_path and bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
                     graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant,
-                    dead_tail=fast.dead_tail and fast.fused_lora and fast.reentrant)
+                    dead_tail=fast.skips_dead_tail())
     return plan(shape, inp, budget_gib=budget_of(cfg))
 
 
