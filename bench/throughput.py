@@ -77,6 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # thirty-fourth device call: Llama layers with the MLP as one function, the residual add fused into the norm
+        # and the recompute's thrown-away SwiGLU and add skipped (fast.fused_block), taken out again
+        run("w2048", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
         # thirty-second device call: LoRA's dropout drawn inside its rank-r products by Triton kernels (commit
         # 9fdf01b), taken out again as `no-dropout-kernels`: slower (bench/NOTES.md), removed
         # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again

@@ -7,8 +7,9 @@ The course reaches it through this module alone, in four calls:
 
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
-    after_lora(model, fast, cfg)          # no mask, fused QLoRA layers, checkpoint functions  (fast.mask,
-                                          #   fast.fused_lora, fast.checkpoints, fast.offload, fast.graphed_layers)
+    after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
+                                          #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
+                                          #   fast.graphed_layers)
     adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
                                           #   (fast.optimizer_step)
 
@@ -62,6 +63,10 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
         from nb_helpers.fast.fused_lora import apply_fused_lora
 
         record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant))
+    if fast.fused_block and model._nb_levers.get("fused_lora"):
+        from nb_helpers.fast.fused_block import apply_fused_block
+
+        record(model, "fused_block", apply_fused_block(model, liger=bool(model._nb_levers.get("kernels"))))
     if cfg.fast_path:
         install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
     elif cfg.offload_checkpoints:
@@ -106,7 +111,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     if not ran.get("fused_lora"):
-        ran["direct_dequant"] = ran["dead_tail"] = False  # the fused layers are what call the kernels and skip
+        ran["direct_dequant"] = ran["dead_tail"] = ran["fused_block"] = False  # the fused layers call the kernels
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

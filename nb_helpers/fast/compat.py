@@ -1,10 +1,10 @@
 """Every private or internal API of another library that nb_helpers leans on, in one place, each with a probe.
 
 The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel (C
-kernels called through ctypes, a function transformers swaps per layer, an optimizer's state), none of it promised
-across versions. Each use is a Check whose probe verifies the name AND the shape we rely on, so an upgrade that moves
-one fails in CI (tests/test_compat.py) and, at run time, its lever falls back with one line (fallback_note). Uses
-outside nb_helpers/fast carry the pseudo-lever "course": no fallback, the check must pass. Nothing imports eagerly."""
+kernels called through ctypes, a function transformers swaps per layer, an optimizer's state, a layer's forward copied),
+none of it promised across versions. Each use is a Check whose probe verifies the name AND the shape we rely on, so an
+upgrade that moves one fails in CI (tests/test_compat.py) and at run time its lever falls back with one line
+(fallback_note). Uses outside fast/ carry the pseudo-lever "course": the check must pass. Nothing imports eagerly."""
 
 from __future__ import annotations
 
@@ -63,8 +63,7 @@ def _at(path: str, attrs=(), kind=None, value=None, text="", params=(), first=()
 
 
 def _source(module: str) -> str:
-    """A module's source, unimported: bitsandbytes' CUDA ops and liger's Triton ops do not import without a GPU.
-    A loaded module (or a stand-in a test put in sys.modules) is read from its own file."""
+    """A module's source, unimported (bitsandbytes' CUDA ops and liger's Triton ops need a GPU); a loaded one's file."""
     loaded = sys.modules.get(module)
     if getattr(loaded, "__file__", None):
         return Path(loaded.__file__).read_text(encoding="utf-8")
@@ -107,13 +106,12 @@ def _c_binding(name: str) -> str | None:
 BNB_OPS = "bitsandbytes.backends.cuda.ops"
 QUANTS = ("nf4", "fp4")
 DEQUANT_4BIT = [f"cdequantize_blockwise_{d}_{q}" for d in ("bf16", "fp16", "fp32") for q in QUANTS]
-ADAM_8BIT = [f"cadam_8bit_blockwise_grad_{d}" for d in ("fp32", "fp16", "bf16")]  # the order of our dtype tables
-ADAM_32BIT = [f"cadam32bit_grad_{d}" for d in ("fp32", "fp16", "bf16")]
+ADAM_8BIT, ADAM_32BIT = ([f"cadam{kind}_grad_{d}" for d in ("fp32", "fp16", "bf16")]  # the order of our dtype tables
+                         for kind in ("_8bit_blockwise", "32bit"))
 
 
 def _kernels(function: str, symbols: list[str], nargs: int, table: str | None = None):
-    """bitsandbytes' own call of these symbols passes `nargs` arguments, as ours does: read from its source, since
-    the CPU build exports no CUDA kernels. The CUDA build's loaded library is checked as well."""
+    """bitsandbytes' own call of these symbols passes `nargs` arguments, as ours does (source; a CUDA build's lib)."""
     def probe():
         tree = ast.parse(_source(BNB_OPS))
         if (fn := _def(tree, function)) is None:
@@ -197,8 +195,7 @@ CHECKS: tuple[Check, ...] = (
     _check("torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.cpu._is_avx512_bf16_supported, _is_amx_tile_supported",
            COURSE, _at("torch.cpu", attrs=("_is_avx512_bf16_supported", "_is_amx_tile_supported")), kind=callable),
     _check(f"{GC_LAYER}._gradient_checkpointing_func", "offload graphs",
-           _at(GC_LAYER, attrs=("gradient_checkpointing",)),
-           _at(f"{GC_LAYER}.__call__", says=(
+           _at(GC_LAYER, attrs=("gradient_checkpointing",)), _at(f"{GC_LAYER}.__call__", says=(
                "self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)",)),
            _at(f"{PTM}._set_gradient_checkpointing", says=("_gradient_checkpointing_func",)),
            lambda: None if issubclass(_resolve(f"{LLAMA}.LlamaDecoderLayer"), _resolve(GC_LAYER)) else "Llama left it"),
@@ -262,9 +259,16 @@ CHECKS: tuple[Check, ...] = (
     _check("liger_kernel.ops.LigerRMSNormFunction.apply(X, W, eps, offset, casting_mode, in_place, row_mode)",
            "kernels", _in_source("liger_kernel.ops.rms_norm", "LigerRMSNormFunction.forward",
                                  ("ctx", "X", "W", "eps", "offset", "casting_mode", "in_place", "row_mode"))),
-    _check("liger_kernel.ops.LigerSiLUMulFunction.apply(a, b, gate_multiplier, down_multiplier)", "kernels",
+    _check("liger_kernel.ops.LigerSiLUMulFunction.apply(a, b, gate_multiplier, down_multiplier), swiglu_forward(a, b, "
+           "gate_multiplier), swiglu_backward(a, b, dc, gate_multiplier)", "kernels fused_block",
            _in_source("liger_kernel.ops.swiglu", "LigerSiLUMulFunction.forward",
-                      ("ctx", "a", "b", "gate_multiplier", "down_multiplier"))),
+                      ("ctx", "a", "b", "gate_multiplier", "down_multiplier")),
+           _in_source("liger_kernel.ops.swiglu", "swiglu_backward", ("a", "b", "dc", "gate_multiplier"))),
+    _check("liger_kernel.ops.LigerFusedAddRMSNormFunction.apply(X, R, W, eps, offset, casting_mode, in_place)",
+           "fused_block", _in_source("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction.forward",
+                                     ("ctx", "X", "R", "W", "eps", "offset", "casting_mode", "in_place"))),
+    _check(f"{LLAMA}.LlamaDecoderLayer.forward (fast.fused_block runs a copy)", "fused_block", says=(
+        "hidden_states = residual + hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)")),
     _check("liger_kernel.transformers.apply_liger_kernel_to_llama(rope, rms_norm, swiglu, ..., model)", "kernels",
            _in_source("liger_kernel.transformers.monkey_patch", "apply_liger_kernel_to_llama", params=(
                "rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "model"))),
@@ -284,14 +288,12 @@ def _absent(check: Check) -> bool:
 
 def run_checks(levers=None) -> list[tuple[Check, str | None]]:
     """Each check (of `levers` only) with None or why it failed; an absent optional library's lever is off anyway."""
-    results = []
-    for check in (c for c in CHECKS if levers is None or set(c.levers) & set(levers)):
+    def reason(check):
         try:
-            reason = None if _absent(check) else check.probe()
+            return None if _absent(check) else check.probe()
         except Exception as e:  # noqa: BLE001 - whatever a moved API raises is the reason
-            reason = f"{type(e).__name__}: {str(e)[:160]}"
-        results.append((check, reason))
-    return results
+            return f"{type(e).__name__}: {str(e)[:160]}"
+    return [(c, reason(c)) for c in CHECKS if levers is None or set(c.levers) & set(levers)]
 
 
 def failed(levers=None) -> dict[str, str]:
@@ -331,8 +333,7 @@ def check_all_or_raise() -> None:
 
 # --- accessors: the risky calls themselves, so call sites go through here ----------------------------------------
 def use_expandable_segments() -> bool:
-    """PyTorch's allocator grows segments in place instead of caching blocks of every size it met (Linux CUDA; a
-    PYTORCH_CUDA_ALLOC_CONF that names it wins). Whether they are on."""
+    """Whether the allocator grows segments in place (Linux CUDA; a PYTORCH_CUDA_ALLOC_CONF naming it wins)."""
     import torch
     setting = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
     if not torch.cuda.is_available() or sys.platform != "linux":
@@ -350,7 +351,7 @@ def use_expandable_segments() -> bool:
 
 
 def dequantize_kernels():
-    """(absmax kernel, {(dtype, quant type): weight kernel}, raw stream getter), typed as bitsandbytes types them."""
+    """(absmax kernel, {(dtype, quant): weight kernel}, raw stream getter), typed as bitsandbytes types them."""
     if why := failed(["direct_dequant"]):
         raise RuntimeError(fallback_note("direct_dequant", why["direct_dequant"]))
     import bitsandbytes.backends.cuda.ops  # noqa: F401 - declares the kernels' ctypes argument types

@@ -32,6 +32,8 @@ class FastOptions:
     #                           builds plans for each new length (0.15 s a new length at 8 x 2048 on an H200); CUDA
     dead_tail: bool = True  # a checkpointed layer's recompute skips the product nothing reads (the MLP's down
     #                         projection in Llama-style layers; fast.recompute); CUDA, reentrant, fused_lora
+    fused_block: bool = True  # Llama layers: the MLP as one function, the residual add fused into the norm, adds
+    #                           skipped where their value is thrown away (fast.fused_block); CUDA, fused_lora
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -119,4 +121,6 @@ LEVERS = {
                     "56,327 against 47,469 tokens/s at 8 x 2048"),
     "dead_tail": ("the recompute under gradient checkpointing skips the one product its backward never reads",
                   "58,451 against 54,351 tokens/s at 8 x 2048 (GPU busy 15.4 against 15.9 us/token)"),
+    "fused_block": ("Llama layers: the MLP as one function, the residual add inside the norm's kernel, no kernel for "
+                    "what the recompute throws away", "not measured yet"),
 }

@@ -1,0 +1,179 @@
+"""Llama's decoder layer with fewer elementwise kernels, the same math (lever `fused_block`).
+
+With the fused 4-bit layers (fast.fused_lora) and liger's kernels, a Llama layer still runs passes over its
+activations whose work a neighbour can do. At 8 x 2048 tokens on an H200 one pass over the hidden states takes about
+60 us and one over the MLP's intermediate about 130 us, 22 layers a step (bench/NOTES.md):
+
+  * The MLP (gate, up, SwiGLU, down) is one autograd function where its three projections are frozen 4-bit layers
+    (LoRA on q,k,v,o). Its backward adds up's input gradient inside gate's GEMM (`addmm_`), not in a separate add.
+    In a checkpointed recompute whose down projection is dead (fast.recompute), neither SwiGLU's product nor down
+    runs: the backward reads only gate's and up's outputs.
+  * The residual add before the MLP's norm and the norm itself are liger-kernel's fused add + RMSNorm: one kernel
+    forward, one backward (which adds the residual's gradient too), where the stock layer runs two each way.
+  * The layer's last residual add, in such a recompute, is skipped: its value is thrown away (the checkpoint's
+    backward needs only the gradient path), so an uninitialised tensor with the add's backward stands for it.
+
+Each piece runs only where it applies, and the stock code runs otherwise: LoRA or a bias on the MLP, an activation
+other than SiLU, no liger (CPU) for the norm. fast.compat checks that Llama's layer still has the shape copied here.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from nb_helpers.fast import recompute
+from nb_helpers.fast.fused_lora import _dequantize
+
+
+def _linear(x, weight, direct: bool):
+    return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype))
+
+
+def _swiglu(gate, up, liger: bool):
+    if liger:
+        from liger_kernel.ops.swiglu import swiglu_forward
+
+        return swiglu_forward(gate, up, 1.0)[2]
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_backward(gate, up, grad, liger: bool):
+    """(gate's gradient, up's gradient). liger's kernel writes them over `gate` and `up`, which are not read again."""
+    if liger:
+        from liger_kernel.ops.swiglu import swiglu_backward
+
+        return swiglu_backward(gate, up, grad, 1.0)
+    wide = torch.promote_types(gate.dtype, torch.float32)  # bf16's products rounded once, at the end
+    gate32, up32, grad32 = gate.to(wide), up.to(wide), grad.to(wide)
+    sigmoid = torch.sigmoid(gate32)
+    return ((grad32 * up32 * sigmoid * (1 + gate32 * (1 - sigmoid))).to(gate.dtype),
+            (grad32 * gate32 * sigmoid).to(up.dtype))
+
+
+class FrozenMLP4bit(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)), the three weights NF4 and frozen: x's gradient only. `dead`: the output is read by
+    nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed."""
+
+    @staticmethod
+    def forward(ctx, x, gate, up, down, direct: bool, liger: bool, dead: bool):
+        gate_out, up_out = _linear(x, gate, direct), _linear(x, up, direct)
+        ctx.save_for_backward(gate_out, up_out)
+        ctx.weights, ctx.direct, ctx.liger = (gate, up, down), direct, liger
+        if dead:
+            return gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0])
+        return _linear(_swiglu(gate_out, up_out, liger), down, direct)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate_out, up_out = ctx.saved_tensors
+        gate, up, down = (_dequantize(w, ctx.direct).to(grad_out.dtype) for w in ctx.weights)
+        grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_gate, grad_up = _swiglu_backward(gate_out.view(grad.shape[0], -1), up_out.view(grad.shape[0], -1),
+                                              grad @ down, ctx.liger)
+        grad_x = grad_gate @ gate
+        grad_x.addmm_(grad_up, up)  # up's share added inside the GEMM: no separate add
+        return grad_x.view(*grad_out.shape[:-1], -1), None, None, None, None, None, None
+
+
+class _ThrownAwayAdd(torch.autograd.Function):
+    """a + b where the value is read by nothing: the gradient of an add, no kernel forward."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
+
+
+def _mlp_forward(self, x):
+    if not torch.is_grad_enabled():  # a checkpoint's first forward, evaluation: no function to set up, same kernels
+        gate_out, up_out = _linear(x, self.gate_proj.weight, self._nb_direct), _linear(x, self.up_proj.weight,
+                                                                                        self._nb_direct)
+        return _linear(_swiglu(gate_out, up_out, self._nb_liger), self.down_proj.weight, self._nb_direct)
+    out = FrozenMLP4bit.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._nb_direct,
+                              self._nb_liger, recompute.is_dead(self.down_proj))
+    recompute.returned(self.down_proj)
+    return out
+
+
+def _add_norm(hidden_states, residual, norm, liger: bool):
+    """(norm(residual + hidden_states), residual + hidden_states)."""
+    if liger:
+        from liger_kernel.ops import LigerFusedAddRMSNormFunction
+
+        return LigerFusedAddRMSNormFunction.apply(hidden_states, residual, norm.weight, norm.variance_epsilon,
+                                                  norm.offset, norm.casting_mode, norm.in_place)
+    summed = residual + hidden_states
+    return norm(summed), summed
+
+
+def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                   use_cache=False, position_embeddings=None, **kwargs):
+    """transformers' LlamaDecoderLayer.forward, with the post-attention add and norm fused and the last add skipped
+    where its value is thrown away."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
+    hidden_states, residual = _add_norm(hidden_states, residual, self.post_attention_layernorm, self._nb_liger_norm)
+    hidden_states = self.mlp(hidden_states)
+    if recompute.is_dead(self.mlp.down_proj):
+        return _ThrownAwayAdd.apply(residual, hidden_states)
+    return residual + hidden_states
+
+
+def _frozen_mlp(mlp, config) -> bool:
+    """gate, up and down are frozen 4-bit layers the fused functions run (fast.fused_lora), without bias, under SiLU."""
+    parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return getattr(config, "hidden_act", None) in ("silu", "swish") and all(
+        hasattr(p, "_nb_direct") and getattr(p.weight, "quant_state", None) is not None and p.bias is None
+        and not hasattr(p, "lora_A") for p in parts)
+
+
+def _liger_norm(norm) -> bool:
+    """liger-kernel's RMSNorm in Llama's form (fast.kernels patched it)."""
+    return getattr(norm, "casting_mode", None) == "llama" and getattr(norm, "offset", None) == 0.0 \
+        and getattr(norm, "row_mode", None) is None and getattr(norm, "weight", None) is not None
+
+
+def install(model, liger: bool) -> dict[str, int]:
+    """Route each Llama decoder layer through _layer_forward, and each MLP whose projections are frozen 4-bit layers
+    through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels). Returns how many layers, MLPs and
+    fused norms were patched."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from nb_helpers.fast.mask import decoder_of
+
+    counts = {"layers": 0, "mlps": 0, "norms": 0}
+    decoder = decoder_of(model)
+    for layer in getattr(decoder, "layers", []):
+        if type(layer) is not LlamaDecoderLayer:
+            continue
+        layer._nb_liger_norm = liger and _liger_norm(layer.post_attention_layernorm)
+        layer.forward = types.MethodType(_layer_forward, layer)
+        counts["layers"] += 1
+        counts["norms"] += layer._nb_liger_norm
+        if _frozen_mlp(layer.mlp, decoder.config):
+            mlp = layer.mlp
+            mlp._nb_direct, mlp._nb_liger = mlp.gate_proj._nb_direct, liger
+            mlp.forward = types.MethodType(_mlp_forward, mlp)
+            counts["mlps"] += 1
+    return counts
+
+
+def apply_fused_block(model, liger: bool, verbose: bool = True) -> bool:
+    """install(), and one line saying what it patched; False where the model has no Llama layers."""
+    from nb_helpers.frontend import say_once
+
+    counts = install(model, liger)
+    if verbose and counts["layers"]:
+        say_once("fused-block", f"[fast] {counts['layers']} Llama layers with {counts['mlps']} MLPs as one function "
+                                f"each and {counts['norms']} fused add + RMSNorm")
+    elif verbose:
+        say_once("fused-block-off", "[fast] fused layer blocks off: not Llama decoder layers (the stock layers run)")
+    return counts["layers"] > 0
