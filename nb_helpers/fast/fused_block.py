@@ -68,12 +68,14 @@ class FrozenMLP4bit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate_out, up_out = ctx.saved_tensors
-        gate, up, down = (_dequantize(w, ctx.direct).to(grad_out.dtype) for w in ctx.weights)
+        gate, up, down = ctx.weights
         grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_act = grad @ _dequantize(down, ctx.direct).to(grad.dtype)  # one weight dequantized at a time
         grad_gate, grad_up = _swiglu_backward(gate_out.view(grad.shape[0], -1), up_out.view(grad.shape[0], -1),
-                                              grad @ down, ctx.liger)
-        grad_x = grad_gate @ gate
-        grad_x.addmm_(grad_up, up)  # up's share added inside the GEMM: no separate add
+                                              grad_act, ctx.liger)
+        del grad_act
+        grad_x = grad_gate @ _dequantize(gate, ctx.direct).to(grad.dtype)
+        grad_x.addmm_(grad_up, _dequantize(up, ctx.direct).to(grad.dtype))  # up's share inside the GEMM: no add
         return grad_x.view(*grad_out.shape[:-1], -1), None, None, None, None, None, None
 
 
