@@ -65,7 +65,14 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
                                                      {"no-dropout-kernels"}),
               "raw/throughput-call33-e14dedb.json": ("dead tail, throughput runs (call 33, held out)", True, None),
               "raw/throughput-call33-e14dedb-w512-turing.json": ("GTX 1650 card, bf16 and fp16 (call 33, held out)",
-                                                                 True, None)}
+                                                                 True, None),
+              # Llama layers as fused blocks (fast.fused_block, calls 34-35): held out
+              "raw/throughput-call34-b25e3a2-w2048.json": ("fused blocks, 8 x 2048 (call 34, held out)", True, None),
+              "raw/throughput-call34-b25e3a2-w512.json": ("fused blocks, 8 x 512 (call 34, held out)", True, None),
+              "raw/throughput-call35-358a82c-w2048-reference_ours_ours-1x8.json": (
+                  "fused blocks, 8 x 2048 and the reference's settings (call 35, held out)", True, None),
+              "raw/throughput-call35-358a82c-w512-reference_ours_no-fused-block.json": (
+                  "fused blocks, 8 x 512 (call 35, held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
