@@ -72,7 +72,9 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call35-358a82c-w2048-reference_ours_ours-1x8.json": (
                   "fused blocks, 8 x 2048 and the reference's settings (call 35, held out)", True, None),
               "raw/throughput-call35-358a82c-w512-reference_ours_no-fused-block.json": (
-                  "fused blocks, 8 x 512 (call 35, held out)", True, None)}
+                  "fused blocks, 8 x 512 (call 35, held out)", True, None),
+              "raw/throughput-turing-call36-93ad4e3.json": ("fused blocks, GTX 1650 card, bf16 and fp16 (call 36, "
+                                                            "held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
