@@ -7,27 +7,14 @@ offloaded."""
 import pytest
 import torch
 
-from nb_helpers.fast import checkpoints, fused_block, fused_lora, recompute
+from fused_models import fused_model, train_step, use_checkpoints
+from nb_helpers.fast import fused_block, recompute
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
 
 
-def _model(tiny_cfg, dtype="float32", kernels=False, targets=None):
-    from nb_helpers.lora import attach_lora
-    from nb_helpers.models import ModelChoice, load_4bit
-
-    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1, target_modules=targets or tiny_cfg.target_modules)
-    torch.manual_seed(0)
-    fast = FastOptions(lean=True, kernels=kernels, nomask=False, fused_block=False)
-    model = attach_lora(load_4bit(cfg, ModelChoice(cfg.model, "tiny", "test")), cfg, fast=fast)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero; a random B makes every LoRA gradient count
-            torch.nn.init.normal_(param, std=0.5)
-    if not torch.cuda.is_available():
-        assert fused_lora.install(model) > 0  # the fast path installs them on CUDA only; the CPU test does it here
-    model.enable_input_require_grads()
-    model.train()
-    return model
+def _model(tiny_cfg, **kwargs):
+    return fused_model(tiny_cfg, fused_block=False, **kwargs)  # the stock layers first; the tests install the blocks
 
 
 def _stock_forwards(model):
@@ -35,22 +22,6 @@ def _stock_forwards(model):
     for layer in decoder_of(model).layers:
         layer.__dict__.pop("forward", None)
         layer.mlp.__dict__.pop("forward", None)
-
-
-def _checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool = False):
-    model._nb_fast = FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs)
-    model._nb_use_graphs = graphs
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    checkpoints.set_checkpoint_offload(model, offload)
-
-
-def _step(model, ids, autocast=None):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # the same dropout masks in every run
-    with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
 def _same(runs_a, runs_b, rtol=1e-5, atol=1e-7):
@@ -81,29 +52,29 @@ def test_the_fused_block_trains_as_the_stock_layer(tiny_cfg, checkpointing):
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     model = _model(tiny_cfg)
     if checkpointing:
-        _checkpoints(model, dead_tail=True)
-    stock = [_step(model, ids) for _ in range(2)]
+        use_checkpoints(model, dead_tail=True)
+    stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     layers = len(decoder_of(model).layers)
     assert counts == {"layers": layers, "mlps": layers, "norms": 0}  # no liger on the CPU: the stock add + norm
-    _same(stock, [_step(model, ids) for _ in range(2)])
+    _same(stock, [train_step(model, ids) for _ in range(2)])
 
 
 def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
     model = _model(tiny_cfg)
     fused_block.install(model, liger=False)
-    _checkpoints(model, dead_tail=False)
-    off = _step(model, ids)
-    _checkpoints(model, dead_tail=True)
-    _step(model, ids)  # the probe: each layer's first recompute runs whole
+    use_checkpoints(model, dead_tail=False)
+    off = train_step(model, ids)
+    use_checkpoints(model, dead_tail=True)
+    train_step(model, ids)  # the probe: each layer's first recompute runs whole
     layers = decoder_of(model).layers
     assert all(recompute.dead_module(layer) is layer.mlp.down_proj for layer in layers)
     swiglus, empties = _counting(monkeypatch, "_swiglu"), []
     real_add = fused_block._ThrownAwayAdd.forward
     monkeypatch.setattr(fused_block._ThrownAwayAdd, "forward", staticmethod(
         lambda ctx, a, b: empties.append(1) or real_add(ctx, a, b)))
-    on = _step(model, ids)
+    on = train_step(model, ids)
     assert len(swiglus) == len(layers)  # the first forward's only, none in the recompute
     assert len(empties) == len(layers)
     _same([off], [on])
@@ -112,11 +83,11 @@ def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
 def test_lora_on_the_mlp_keeps_its_layers_and_the_same_gradients(tiny_cfg):
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     model = _model(tiny_cfg, targets=["all-linear"])
-    _checkpoints(model, dead_tail=True)
-    stock = [_step(model, ids) for _ in range(2)]
+    use_checkpoints(model, dead_tail=True)
+    stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     assert counts["layers"] == len(decoder_of(model).layers) and counts["mlps"] == 0
-    _same(stock, [_step(model, ids) for _ in range(2)])
+    _same(stock, [train_step(model, ids) for _ in range(2)])
 
 
 def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
@@ -145,14 +116,14 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     graphed_layers.reset()
     model = _model(tiny_cfg, dtype="bfloat16", kernels=True)
     ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    _checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
-    stock = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
+    stock = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
     counts = fused_block.install(model, liger=True)
     layers = len(decoder_of(model).layers)
     assert counts == {"layers": layers, "mlps": layers, "norms": layers}
-    _checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
-    ours = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
+    ours = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(torch.isfinite(loss) for loss, _ in ours)
     _same(stock, ours, rtol=2e-2, atol=1e-3)
     graphed_layers.reset()

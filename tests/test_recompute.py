@@ -6,43 +6,10 @@ with CUDA graphs and offload."""
 import pytest
 import torch
 
+from fused_models import fused_model, train_step, use_checkpoints
 from nb_helpers.fast import checkpoints, fused_lora, recompute
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
-
-
-def _model(tiny_cfg, dtype="float32", kernels=False, targets=None):
-    from nb_helpers.lora import attach_lora
-    from nb_helpers.models import ModelChoice, load_4bit
-
-    cfg = tiny_cfg.replace(compute_dtype=dtype, lora_dropout=0.1, target_modules=targets or tiny_cfg.target_modules)
-    torch.manual_seed(0)
-    model = attach_lora(load_4bit(cfg, ModelChoice(cfg.model, "tiny", "test")), cfg,
-                        fast=FastOptions(lean=True, kernels=kernels, nomask=False))
-    for name, param in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero; a random B makes every LoRA gradient count
-            torch.nn.init.normal_(param, std=0.5)
-    if not torch.cuda.is_available():
-        assert fused_lora.install(model) > 0  # the fast path installs them on CUDA only; the CPU test does it here
-    model.enable_input_require_grads()
-    model.train()
-    return model
-
-
-def _use(model, dead_tail: bool, offload: bool = False, graphs: bool = False):
-    model._nb_fast = FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs)
-    model._nb_use_graphs = graphs
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    checkpoints.set_checkpoint_offload(model, offload)
-
-
-def _step(model, ids, autocast=None):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # the same dropout masks in every run
-    with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
 def _dequantized(monkeypatch, model):
@@ -65,16 +32,16 @@ def test_the_recompute_skips_the_down_projection_with_the_same_gradients(tiny_cf
     """With q,k,v,o targets the down projection is a frozen layer; with all-linear a LoRA layer, whose skipped
     recompute still computes what LoRA's backward reads."""
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
-    model = _model(tiny_cfg, targets=targets)
-    _use(model, dead_tail=False)
-    runs_off = [_step(model, ids) for _ in range(2)]
-    _use(model, dead_tail=True)
+    model = fused_model(tiny_cfg, targets=targets)
+    use_checkpoints(model, dead_tail=False)
+    runs_off = [train_step(model, ids) for _ in range(2)]
+    use_checkpoints(model, dead_tail=True)
     counts = _dequantized(monkeypatch, model)
-    runs_on = [_step(model, ids)]  # the probe: each layer's first recompute runs whole
+    runs_on = [train_step(model, ids)]  # the probe: each layer's first recompute runs whole
     layers = decoder_of(model).layers
     assert all(recompute.dead_module(layer) is layer.mlp.down_proj for layer in layers)
     counts.clear()
-    runs_on.append(_step(model, ids))
+    runs_on.append(train_step(model, ids))
     downs = {name: n for name, n in counts.items() if name.endswith("down_proj")}
     gates = {name: n for name, n in counts.items() if name.endswith("gate_proj")}
     assert len(downs) == len(layers) and set(downs.values()) == {2}, downs  # forward and backward, no recompute
@@ -90,15 +57,15 @@ def test_a_tensor_saved_after_the_last_linear_keeps_its_product(tiny_cfg):
     """Gemma-style: a norm after the MLP saves the down projection's output, so nothing is dead and the gradients are
     still the plain checkpoint's."""
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
-    model = _model(tiny_cfg)
+    model = fused_model(tiny_cfg)
     for layer in decoder_of(model).layers:
         mlp_forward = layer.mlp.forward
         layer.mlp.forward = lambda x, mlp_forward=mlp_forward: torch.nn.functional.rms_norm(
             mlp_forward(x), (x.shape[-1],))
-    _use(model, dead_tail=False)
-    loss_off, grads_off = _step(model, ids)
-    _use(model, dead_tail=True)
-    loss_on, grads_on = _step(model, ids)
+    use_checkpoints(model, dead_tail=False)
+    loss_off, grads_off = train_step(model, ids)
+    use_checkpoints(model, dead_tail=True)
+    loss_on, grads_on = train_step(model, ids)
     assert all(recompute.dead_module(layer) is False for layer in decoder_of(model).layers)
     assert torch.equal(loss_off, loss_on)
     for a, b in zip(grads_off, grads_on):
@@ -132,13 +99,13 @@ def test_on_the_gpu_the_skip_keeps_the_gradients_eager_graphed_and_offloaded(tin
     from nb_helpers.fast import graphed_layers
 
     graphed_layers.reset()
-    model = _model(tiny_cfg, dtype="bfloat16", kernels=True)
+    model = fused_model(tiny_cfg, dtype="bfloat16", kernels=True)
     ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    _use(model, dead_tail=False, offload=offload, graphs=graphs)
-    off = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    use_checkpoints(model, dead_tail=False, offload=offload, graphs=graphs)
+    off = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
-    _use(model, dead_tail=True, offload=offload, graphs=graphs)
-    on = [_step(model, ids, torch.bfloat16) for _ in range(3)]
+    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
+    on = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(recompute.dead_module(layer) is layer.mlp.down_proj for layer in decoder_of(model).layers)
     for (loss_off, grads_off), (loss_on, grads_on) in zip(off, on):
         assert torch.isfinite(loss_on) and torch.allclose(loss_off, loss_on, rtol=1e-3), (loss_off, loss_on)
