@@ -24,11 +24,7 @@ import types
 import torch
 
 from nb_helpers.fast import recompute
-from nb_helpers.fast.fused_lora import _dequantize
-
-
-def _linear(x, weight, direct: bool):
-    return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype))
+from nb_helpers.fast.fused_lora import _dequantize, frozen_linear
 
 
 def _swiglu(gate, up, liger: bool):
@@ -52,18 +48,25 @@ def _swiglu_backward(gate, up, grad, liger: bool):
             (grad32 * gate32 * sigmoid).to(up.dtype))
 
 
+def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False):
+    """(the MLP's output, gate's output, up's output). Called directly under no_grad (a checkpoint's first forward,
+    evaluation): the same kernels without an autograd function to set up."""
+    gate_out, up_out = frozen_linear(x, gate, direct=direct), frozen_linear(x, up, direct=direct)
+    if dead:
+        return gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0]), gate_out, up_out
+    return frozen_linear(_swiglu(gate_out, up_out, liger), down, direct=direct), gate_out, up_out
+
+
 class FrozenMLP4bit(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)), the three weights NF4 and frozen: x's gradient only. `dead`: the output is read by
     nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed."""
 
     @staticmethod
     def forward(ctx, x, gate, up, down, direct: bool, liger: bool, dead: bool):
-        gate_out, up_out = _linear(x, gate, direct), _linear(x, up, direct)
+        out, gate_out, up_out = _mlp(x, gate, up, down, direct, liger, dead)
         ctx.save_for_backward(gate_out, up_out)
         ctx.weights, ctx.direct, ctx.liger = (gate, up, down), direct, liger
-        if dead:
-            return gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0])
-        return _linear(_swiglu(gate_out, up_out, liger), down, direct)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -92,12 +95,10 @@ class _ThrownAwayAdd(torch.autograd.Function):
 
 
 def _mlp_forward(self, x):
-    if not torch.is_grad_enabled():  # a checkpoint's first forward, evaluation: no function to set up, same kernels
-        gate_out, up_out = _linear(x, self.gate_proj.weight, self._nb_direct), _linear(x, self.up_proj.weight,
-                                                                                        self._nb_direct)
-        return _linear(_swiglu(gate_out, up_out, self._nb_liger), self.down_proj.weight, self._nb_direct)
-    out = FrozenMLP4bit.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self._nb_direct,
-                              self._nb_liger, recompute.is_dead(self.down_proj))
+    weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+    if not torch.is_grad_enabled():
+        return _mlp(x, *weights, self._nb_direct, self._nb_liger)[0]
+    out = FrozenMLP4bit.apply(x, *weights, self._nb_direct, self._nb_liger, recompute.is_dead(self.down_proj))
     recompute.returned(self.down_proj)
     return out
 

@@ -58,6 +58,12 @@ def _dequantize(weight, direct: bool = False):
     return out
 
 
+def frozen_linear(x, weight, bias=None, direct: bool = False):
+    """x W^T + b with W the NF4 weight dequantized on the fly, in x's dtype."""
+    return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype), None if bias is None else
+                                      bias.to(x.dtype))
+
+
 _KERNELS: list = []  # probed once: [(None, why)] or [((absmax kernel, {(dtype, quant): weight kernel}, stream), None)]
 
 
@@ -99,8 +105,7 @@ def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: flo
     if dead:
         out = down.new_zeros(flat.shape[0], b.shape[0])
     else:
-        out = torch.nn.functional.linear(flat, _dequantize(weight, direct).to(x.dtype), None if bias is None else
-                                         bias.to(x.dtype))
+        out = frozen_linear(flat, weight, bias, direct)
         out.addmm_(down, b.t(), alpha=scaling)
     return out.view(*x.shape[:-1], out.shape[-1]), (dropped, down, mask, a, b)
 
@@ -144,8 +149,7 @@ class Frozen4bitLinear(torch.autograd.Function):
             kind = x.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
             return x.new_zeros(*x.shape[:-1], weight.quant_state.shape[0], dtype=dtype)
-        return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype),
-                                          None if bias is None else bias.to(x.dtype))
+        return frozen_linear(x, weight, bias, direct)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -174,8 +178,7 @@ def _frozen_forward(self, x):
                                                                      False):
         return type(self).forward(self, x)
     if not torch.is_grad_enabled():  # no autograd Function to set up: the same dequantize and matmul
-        return torch.nn.functional.linear(x, _dequantize(self.weight, self._nb_direct).to(x.dtype),
-                                          None if self.bias is None else self.bias.to(x.dtype))
+        return frozen_linear(x, self.weight, self.bias, self._nb_direct)
     out = Frozen4bitLinear.apply(x, self.weight, self.bias, self._nb_direct, recompute.is_dead(self))
     recompute.returned(self)
     return out
