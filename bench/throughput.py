@@ -77,6 +77,12 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # thirty-eighth device call: LoRA's dropout drawn inside its rank-r products by Triton kernels, the LoRA
+        # product written first and the base GEMM adding into it (fast.lora_dropout), taken out again
+        run("w2048", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
+            steps=steps + 1),
+        run("w512", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
+            steps=steps + 1),
         # thirty-fourth device call: Llama layers with the MLP as one function, the residual add fused into the norm
         # and the recompute's thrown-away SwiGLU and add skipped (fast.fused_block), taken out again
         run("w2048", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),

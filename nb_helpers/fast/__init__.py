@@ -62,7 +62,12 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     if fast.fused_lora:
         from nb_helpers.fast.fused_lora import apply_fused_lora
 
-        record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant))
+        record(model, "fused_lora", apply_fused_lora(model, direct_dequant=fast.direct_dequant,
+                                                     dropout_kernels=fast.dropout_kernels))
+        if fast.dropout_kernels:
+            from nb_helpers.fast.lora_dropout import kernels
+
+            record(model, "dropout_kernels", kernels() is not None)
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
@@ -111,7 +116,8 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     if not ran.get("fused_lora"):
-        ran["direct_dequant"] = ran["dead_tail"] = ran["fused_block"] = False  # the fused layers call the kernels
+        # the fused layers are what call these kernels
+        ran["direct_dequant"] = ran["dead_tail"] = ran["fused_block"] = ran["dropout_kernels"] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

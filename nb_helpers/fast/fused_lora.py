@@ -28,7 +28,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import recompute
+from nb_helpers.fast import lora_dropout, recompute
 from nb_helpers.frontend import say_once
 
 
@@ -91,23 +91,33 @@ def _probe_kernels():
         return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False):
+def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False,
+                 dropout_kernels: bool = False):
     """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
     evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws. `dead`: the
-    output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it."""
+    output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it.
+    `dropout_kernels`: the dropout is drawn inside the rank-r products (fast.lora_dropout), from a seed the backward
+    keeps instead of a dropped copy and a mask."""
     flat = x.reshape(-1, x.shape[-1])
-    if dropout_p > 0:
-        dropped, mask = torch.native_dropout(flat, dropout_p, True)
-    else:
-        dropped, mask = flat, None
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-    down = dropped @ a.t()
+    if dropout_p > 0 and dropout_kernels and lora_dropout.usable(flat, a):
+        seed = lora_dropout.draw_seed(flat.device)
+        down, out = lora_dropout.dropped_down(flat, a, b, seed, dropout_p, scaling, write_out=not dead)
+        if not dead:  # LoRA's share first: the base GEMM adds into it (beta=1), no separate pass over the output
+            out.addmm_(flat, _dequantize(weight, direct).to(x.dtype).t())
+            if bias is not None:
+                out.add_(bias.to(x.dtype))
+        saved = (flat, down, None, a, b, seed)  # the input itself, no copy: the backward redraws the mask
+    else:
+        dropped, mask = torch.native_dropout(flat, dropout_p, True) if dropout_p > 0 else (flat, None)
+        down = dropped @ a.t()
+        if not dead:
+            out = frozen_linear(flat, weight, bias, direct)
+            out.addmm_(down, b.t(), alpha=scaling)
+        saved = (dropped, down, mask, a, b, None)
     if dead:
         out = down.new_zeros(flat.shape[0], b.shape[0])
-    else:
-        out = frozen_linear(flat, weight, bias, direct)
-        out.addmm_(down, b.t(), alpha=scaling)
-    return out.view(*x.shape[:-1], out.shape[-1]), (dropped, down, mask, a, b)
+    return out.view(*x.shape[:-1], out.shape[-1]), saved
 
 
 class LoRA4bitLinear(torch.autograd.Function):
@@ -115,27 +125,30 @@ class LoRA4bitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False,
-                dead: bool = False):
-        out, (dropped, down, mask, a, b) = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct,
-                                                        dead)
-        ctx.save_for_backward(dropped, down, mask, a, b)
+                dead: bool = False, dropout_kernels: bool = False):
+        out, saved = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct, dead, dropout_kernels)
+        ctx.save_for_backward(*saved)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        dropped, down, mask, a, b = ctx.saved_tensors
+        dropped, down, mask, a, b, seed = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
         grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
         grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
-        grad_a = grad_down.t() @ dropped  # (r, in)
-        grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add
-        if mask is not None:
-            grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
+        if seed is not None:  # `dropped` is the input itself: the kernels redraw the forward's mask from the seed
+            grad_a = lora_dropout.grad_a(grad_down, dropped, seed, ctx.dropout_p)
+            grad_x = lora_dropout.grad_x(grad_down, a, seed, ctx.dropout_p, dropped.shape[1])
+        else:
+            grad_a = grad_down.t() @ dropped  # (r, in)
+            grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add
+            if mask is not None:
+                grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
         grad_x.addmm_(grad, _dequantize(ctx.weight, ctx.direct).to(grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
-                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None)
+                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None)
 
 
 class Frozen4bitLinear(torch.autograd.Function):
@@ -167,8 +180,8 @@ def _lora_forward(self, x, *args, **kwargs):
     args = (x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]),
             p, self._nb_direct)
     if not torch.is_grad_enabled():
-        return _lora_linear(*args)[0]
-    out = LoRA4bitLinear.apply(*args, recompute.is_dead(self))
+        return _lora_linear(*args, False, self._nb_dropout_kernels)[0]
+    out = LoRA4bitLinear.apply(*args, recompute.is_dead(self), self._nb_dropout_kernels)
     recompute.returned(self)
     return out
 
@@ -184,7 +197,7 @@ def _frozen_forward(self, x):
     return out
 
 
-def install(model, direct_dequant: bool = True) -> int:
+def install(model, direct_dequant: bool = True, dropout_kernels: bool = False) -> int:
     """Route every 4-bit linear layer of a peft-wrapped model through the fused functions. Returns how many layers
     were patched (0 where bitsandbytes' 4-bit layers are absent). The fast path calls it on CUDA only: on a CPU,
     bitsandbytes repacks weights for its own inference kernels, and the CPU path keeps the code its results were
@@ -198,6 +211,7 @@ def install(model, direct_dequant: bool = True) -> int:
     for module in model.modules():
         if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), bnb.nn.Linear4bit):
             module.forward, module._nb_direct = types.MethodType(_lora_forward, module), direct_dequant
+            module._nb_dropout_kernels = dropout_kernels
             patched += 1
         elif isinstance(module, bnb.nn.Linear4bit) and id(module) not in wrapped:
             module.forward, module._nb_direct = types.MethodType(_frozen_forward, module), direct_dequant
@@ -205,13 +219,15 @@ def install(model, direct_dequant: bool = True) -> int:
     return patched
 
 
-def apply_fused_lora(model, verbose: bool = True, direct_dequant: bool = True) -> bool:
-    """Route the 4-bit layers through the fused functions (same math, fewer host calls). CUDA only."""
+def apply_fused_lora(model, verbose: bool = True, direct_dequant: bool = True, dropout_kernels: bool = False) -> bool:
+    """Route the 4-bit layers through the fused functions (same math, fewer host calls). CUDA only.
+    `dropout_kernels`: LoRA's dropout inside the rank-r products (fast.lora_dropout) where Triton imports."""
     if not torch.cuda.is_available():
         if verbose:
             say_once("fused-lora", "[fast] fused QLoRA layers off: no CUDA GPU; peft's and bitsandbytes' layers run")
         return False
-    count = install(model, direct_dequant=direct_dequant and direct_dequant_available(verbose))
+    count = install(model, direct_dequant=direct_dequant and direct_dequant_available(verbose),
+                    dropout_kernels=dropout_kernels and lora_dropout.kernels() is not None)
     if verbose:
         say_once("fused-lora-on", f"[fast] {count} 4-bit layers run as fused QLoRA functions (one call each)")
     return count > 0

@@ -34,6 +34,8 @@ class FastOptions:
     #                         projection in Llama-style layers; fast.recompute); CUDA, reentrant, fused_lora
     fused_block: bool = True  # Llama layers: the MLP as one function, the residual add fused into the norm, adds
     #                           skipped where their value is thrown away (fast.fused_block); CUDA, fused_lora
+    dropout_kernels: bool = True  # LoRA's dropout drawn inside its rank-r products: no dropped copy or mask written
+    #                               or kept (fast.lora_dropout, Triton); CUDA, fused_lora, 16-bit inputs
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -125,4 +127,6 @@ LEVERS = {
                     "what the recompute throws away",
                     "GPU busy 15.0 against 15.5 us/token at 8 x 2048 (59,468 against 59,182 tokens/s), 14.9 against 15.2 "
                     "at 8 x 512"),
+    "dropout_kernels": ("LoRA's dropout drawn inside its rank-r products (Triton): no dropped copy or mask written",
+                        "measured in device call 38 (bench/NOTES.md)"),
 }

@@ -15,7 +15,8 @@ saved-tensor hooks in a real training step; on the CPU the count matches this fo
   * MLP: bitsandbytes returns fp32 for fp32 inputs, so gate and up outputs are fp32; SiLU saves its input and the
     product saves both factors: 3 * 4i.
   * LoRA, per target layer: dropout's output in the compute dtype (2 bytes per input feature; autocast's input to
-    lora_A), its bool mask (1 byte, none when dropout is 0), and lora_A's output (2r), which lora_B saves.
+    lora_A), its bool mask (1 byte, none when dropout is 0), and lora_A's output (2r), which lora_B saves. With the
+    GPU path's dropout kernels (fast.lora_dropout), no copy and no mask: the input itself, once per tensor read.
     MatMul4Bit saves no input (it never computes a weight gradient), so frozen layers add nothing.
   * With gradient checkpointing only each layer's fp32 input is kept (4h per token per layer); one layer's full
     activations are rebuilt during its backward pass.
@@ -93,10 +94,27 @@ def layer_activation_bytes_per_token(shape: Shape, inp: PlanInput, padded: bool,
     if shape.fused and (not masked or nkv == nh):  # v is a view of the fused qkv output, which stays alive whole
         attention += 2 * (nh + nkv) * hd
     mlp = (2 if fused else 3) * rb * i
-    dims = shape.linear_dims()
+    return norms + attention + mlp + lora_bytes_per_token(shape, inp)
+
+
+# The tensor each LoRA target reads: targets that read one input save it once; o_proj's is the attention output,
+# which the attention saves anyway (counted there)
+LORA_INPUTS = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input",
+               "qkv_proj": "attention input", "o_proj": None, "gate_proj": "MLP input", "up_proj": "MLP input",
+               "gate_up_proj": "MLP input", "down_proj": "MLP activation"}
+
+
+def lora_bytes_per_token(shape: Shape, inp: PlanInput) -> float:
+    """What the LoRA branches save, per token of one layer: with torch's dropout, each target's dropped copy and bool
+    mask; with the dropout kernels (fast.lora_dropout), the input each group of targets reads, once; and lora_A's
+    output (2r) for every target."""
+    dims, targets = shape.linear_dims(), plan_targets(shape, inp.targets)
+    down = 2 * inp.rank * len(targets)
+    if inp.lora_dropout > 0 and inp.dropout_kernels:
+        inputs = {LORA_INPUTS.get(t, t): 2 * dims[t][0] for t in targets if LORA_INPUTS.get(t, t) is not None}
+        return down + sum(inputs.values())
     mask = 1 if inp.lora_dropout > 0 else 0
-    lora = sum((2 + mask) * dims[t][0] + 2 * inp.rank for t in plan_targets(shape, inp.targets))
-    return norms + attention + mlp + lora
+    return down + sum((2 + mask) * dims[t][0] for t in targets)
 
 
 def sliding_layers_masked(shape: Shape, inp: PlanInput) -> int:

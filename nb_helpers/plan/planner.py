@@ -100,6 +100,7 @@ class PlanInput:
     offload_overlap: bool = True  # the copies overlap the compute: one more layer input on the card (fast.offload)
     graphs: bool = False  # checkpointed layers as CUDA graphs (nb_helpers.fast.graphed_layers): their memory pool
     dead_tail: bool = True  # the recompute skips the product nothing reads (nb_helpers.fast.recompute): time only
+    dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
 
     @property
     def tokens(self) -> int:
@@ -306,7 +307,9 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     expandable=fast.expandable and platform.system() == "Linux",
                     offload=cfg.fast_path and bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
                     graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant,
-                    dead_tail=fast.skips_dead_tail())
+                    dead_tail=fast.skips_dead_tail(),
+                    dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
+                                                                                                gpu_extras))
     return plan(shape, inp, budget_gib=budget_of(cfg))
 
 

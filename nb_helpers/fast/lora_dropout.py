@@ -1,0 +1,122 @@
+"""LoRA's dropout drawn inside its rank-r products (Triton): neither the dropped input nor its mask is written.
+
+peft computes s * lora_B(lora_A(dropout(x))). With torch's kernels that is a dropout kernel that reads x and writes a
+dropped copy and a bool mask (the backward keeps both), a GEMM that reads the copy, and a GEMM that adds the rank-r
+product into the output (a read and a write of it); the backward reads the copy again and scales through the mask.
+On the TinyLlama shape at 8 x 2048 tokens that is about 1.4 ms a layer of an H200's step (bench/NOTES.md), and
+0.37 GiB of copies and masks alive in each layer's backward. Here each kernel redraws the mask where it needs it:
+
+    down = dropout(x) A^T,  out = s * down B^T       forward: reads x once; the base GEMM then adds into `out`
+    grad_A = grad_down^T dropout(x)                  backward: reads x once more
+    grad_x = (grad_down A) * mask / (1 - p)          backward: writes its share; the base GEMM adds into it
+
+The mask (fast.lora_dropout_kernels): 16-bit draws from Philox, seeded from torch's CUDA generator into a device
+tensor, so a checkpoint's recompute (which rewinds the generator) draws the same masks and CUDA graphs draw afresh
+each step. The keep probability is 1 - round(p * 65536) / 65536 (p = 0.05: 0.000003 off), and the outputs are
+scaled by its inverse. The masks are not the ones torch.nn.Dropout draws: the same distribution, other draws.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from nb_helpers.frontend import say_once
+
+MAX_RANK = 64  # the rank-r side of every product lives in registers; larger ranks keep torch's dropout
+FEATURE_STEP = 64  # the kernels tile the input's features by 64 (every shape the course plans has it)
+
+
+@functools.lru_cache(maxsize=1)
+def kernels():
+    """fast.lora_dropout_kernels, or None (the reason said once) where Triton cannot be imported."""
+    try:
+        from nb_helpers.fast import lora_dropout_kernels
+    except Exception as e:  # noqa: BLE001 - Triton missing or broken: torch's dropout runs instead
+        say_once("dropout-kernels", f"[fast] LoRA dropout kernels off: Triton is not importable "
+                                    f"({type(e).__name__}); torch's dropout runs (the same keep probability)")
+        return None
+    return lora_dropout_kernels
+
+
+def usable(flat, lora_a) -> bool:
+    """Whether the kernels take this call: CUDA (or Triton's interpreter), a 16-bit contiguous 2-D input whose
+    features the tiles divide, a rank that fits, group counters that fit 31 bits, and Triton importable."""
+    return ((flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and flat.dtype in (torch.float16, torch.bfloat16) and flat.is_contiguous() and flat.dim() == 2
+            and flat.shape[1] % FEATURE_STEP == 0 and lora_a.shape[0] <= MAX_RANK and flat.shape[0] > 0
+            and flat.numel() // 8 < 2**31 and kernels() is not None)
+
+
+def draw_seed(device) -> torch.Tensor:
+    """One seed from torch's generator for `device`, kept on the device: rewound with the generator, graph-safe."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int32)
+
+
+def threshold(p: float) -> int:
+    return round(p * 65536)
+
+
+def keep_scale(p: float) -> float:
+    """1 / the exact keep probability of the 16-bit draws."""
+    return 65536.0 / (65536 - threshold(p))
+
+
+def _rank_tile(rank: int) -> int:
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def _row_tile(tokens: int) -> int:
+    """64 rows a program, fewer where that would leave an H200's 132 SMs without two programs each."""
+    return 64 if tokens >= 64 * 264 else 32 if tokens >= 32 * 132 else 16
+
+
+def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = True):
+    """(down, out): down = dropout(flat) A^T (tokens x rank, flat's dtype); out = scaling * down B^T (tokens x
+    outputs), or None without `write_out` (a product nothing reads: fast.recompute)."""
+    tokens, features = flat.shape
+    rank, outputs = a.shape[0], b.shape[0]
+    down = torch.empty(tokens, rank, dtype=flat.dtype, device=flat.device)
+    out = torch.empty(tokens, outputs, dtype=flat.dtype, device=flat.device) if write_out else down
+    rows = _row_tile(tokens)
+    kernels().down_kernel[(-(-tokens // rows),)](
+        flat, a.contiguous(), b.contiguous(), down, out, seed, tokens, features, rank, outputs, threshold(p),
+        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=64, BN=128, WRITE_OUT=write_out, num_warps=4)
+    return down, (out if write_out else None)
+
+
+def grad_a(grad_down, flat, seed, p: float):
+    """grad_down^T dropout(flat): rank x features in fp32, through the same mask as dropped_down's."""
+    tokens, features = flat.shape
+    rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
+    rows, cols = 64, 128 if features % 128 == 0 else 64
+    col_blocks = features // cols
+    splits = max(1, min(-(-tokens // rows), -(-264 // col_blocks)))  # about two programs per SM of an H200
+    rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
+    splits = -(-tokens // rows_per_split)
+    parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
+    kernels().grad_a_kernel[(col_blocks, splits)](grad_down.contiguous(), flat, parts, seed, tokens, features, rank,
+                                                  threshold(p), rows_per_split, R=padded, BT=rows, BK=cols,
+                                                  num_warps=4)
+    return parts.sum(0)[:rank].mul_(keep_scale(p))
+
+
+def grad_x(grad_down, a, seed, p: float, features: int):
+    """(grad_down A) through the same mask, scaled: tokens x features, the LoRA share of the input's gradient."""
+    tokens = grad_down.shape[0]
+    out = torch.empty(tokens, features, dtype=grad_down.dtype, device=grad_down.device)
+    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64
+    kernels().grad_x_kernel[(-(-tokens // rows), features // cols)](
+        grad_down.contiguous(), a.contiguous(), out, seed, tokens, features, a.shape[0], threshold(p),
+        keep_scale(p), R=_rank_tile(a.shape[0]), BT=rows, BK=cols, num_warps=4)
+    return out
+
+
+def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:
+    """The bool mask the kernels draw for `seed` (tests, notebook 06's worked example)."""
+    out = torch.empty(tokens, features, dtype=torch.int8, device=device)
+    kernels().mask_kernel[(-(-tokens // rows), features // cols)](out, seed, tokens, features, threshold(p),
+                                                                 BT=rows, BK=cols)
+    return out.bool()

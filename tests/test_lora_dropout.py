@@ -1,0 +1,151 @@
+"""LoRA's dropout inside the rank-r products (nb_helpers.fast.lora_dropout): each Triton kernel against the same math
+in torch with the mask the kernels draw, the mask's keep rate and tiling, the seed, and the fused layer's outputs and
+gradients. On CUDA (marked gpu); on a CPU with Triton installed, TRITON_INTERPRET=1 runs the same kernels in Triton's
+interpreter (fp16 only: its bf16 is wrong). Without CUDA the fused layer falls back to torch's dropout (tested here
+on every machine)."""
+
+import os
+
+import pytest
+import torch
+
+from nb_helpers.fast import fused_lora, lora_dropout
+
+
+def _device():
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1" and lora_dropout.kernels() is not None:
+        return "cpu"
+    pytest.skip("needs a CUDA GPU (or Triton's interpreter: TRITON_INTERPRET=1 with Triton installed)")
+
+
+def _inputs(device, dtype, tokens, features, rank, outputs=96, seed=0):
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(dtype)
+    return (rand(tokens, features), rand(rank, features, scale=features ** -0.5), rand(outputs, rank),
+            rand(tokens, rank))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,features,rank,outputs", [(200, 128, 8, 96), (1030, 256, 16, 300), (64, 2048, 64, 256)])
+def test_each_kernel_is_the_dropout_math_with_its_own_mask(dtype, tokens, features, rank, outputs):
+    device, p, s = _device(), 0.1, 2.0
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 wrongly")
+    x, a, b, gd = _inputs(device, dtype, tokens, features, rank, outputs)
+    seed = torch.tensor([1234], dtype=torch.int32, device=device)
+    keep = lora_dropout.drawn_mask(seed, tokens, features, p, device)
+    dropped = x.double() * keep * lora_dropout.keep_scale(p)
+    down, out = lora_dropout.dropped_down(x, a, b, seed, p, s)
+    assert down.dtype == out.dtype == dtype and down.shape == (tokens, rank) and out.shape == (tokens, outputs)
+    torch.testing.assert_close(down.double(), dropped @ a.double().t(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), s * down.double() @ b.double().t(), rtol=2e-2, atol=2e-2)
+    assert lora_dropout.dropped_down(x, a, b, seed, p, s, write_out=False)[1] is None
+    grad_a = lora_dropout.grad_a(gd, x, seed, p)
+    torch.testing.assert_close(grad_a.double(), gd.double().t() @ dropped, rtol=2e-2, atol=5e-2)
+    grad_x = lora_dropout.grad_x(gd, a, seed, p, features)
+    torch.testing.assert_close(grad_x.double(), (gd.double() @ a.double()) * keep * lora_dropout.keep_scale(p),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles():
+    device, p = _device(), 0.05
+    seed = torch.tensor([77], dtype=torch.int32, device=device)
+    keep = lora_dropout.drawn_mask(seed, 512, 2048, p, device)
+    assert torch.equal(keep, lora_dropout.drawn_mask(seed, 512, 2048, p, device, rows=16, cols=128))
+    expected = 1 - lora_dropout.threshold(p) / 65536
+    assert abs(keep.float().mean().item() - expected) < 0.002  # 1M draws: the standard error is 0.0002
+    for axis in (0, 1):  # no column or row kept far more often than the rest (a broken counter repeats draws)
+        rates = keep.float().mean(axis)
+        assert rates.std().item() < 3 * (expected * (1 - expected) / keep.shape[axis]) ** 0.5
+    assert not torch.equal(keep[:, :1024], keep[:, 1024:]) and not torch.equal(keep[::2], keep[1::2])
+
+
+@pytest.mark.gpu
+def test_the_seed_comes_from_torchs_generator_and_decides_the_mask():
+    device = _device()
+    torch.manual_seed(3)
+    first = lora_dropout.draw_seed(device)
+    torch.manual_seed(3)
+    again, other = lora_dropout.draw_seed(device), lora_dropout.draw_seed(device)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    masks = [lora_dropout.drawn_mask(s, 64, 64, 0.5, device) for s in (first, again, other)]
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+
+
+def _fused_layer(x, a, b, w, p, s, kernels=True, dead=False, monkeypatch=None):
+    """LoRA4bitLinear with W given directly (no 4-bit weight): its output and the gradients of x, A and B."""
+    monkeypatch.setattr(fused_lora, "_dequantize", lambda weight, direct=False: w)
+    xs, As, Bs = (t.clone().requires_grad_() for t in (x, a, b))
+    torch.manual_seed(9)
+    out = fused_lora.LoRA4bitLinear.apply(xs, None, None, As, Bs, s, p, False, dead, kernels)
+    out.backward(torch.ones_like(out) / out.numel() ** 0.5)
+    return out.detach(), xs.grad, As.grad, Bs.grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_fused_layer_with_the_kernels_gives_the_gradients_of_its_mask(dtype, monkeypatch):
+    """LoRA4bitLinear with the kernels against the same layer in float64 with the kernels' mask; a dead layer (its
+    output read by nothing) gives zeros and the same gradients; no_grad gives the same output."""
+    device, p, s = _device(), 0.1, 2.0
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter computes bf16 wrongly")
+    x, a, b, _ = _inputs(device, dtype, 128, 64, 8, outputs=32, seed=1)
+    w = _inputs(device, dtype, 32, 64, 1, seed=2)[0] / 8
+    out, *grads = _fused_layer(x, a, b, w, p, s, monkeypatch=monkeypatch)
+    torch.manual_seed(9)
+    keep = lora_dropout.drawn_mask(lora_dropout.draw_seed(device), 128, 64, p, device)
+    xd, ad, bd = (t.double().requires_grad_() for t in (x, a, b))
+    ref = xd @ w.double().t() + s * ((xd * keep * lora_dropout.keep_scale(p)) @ ad.t()) @ bd.t()
+    ref.backward(torch.ones_like(ref) / ref.numel() ** 0.5)
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=3e-2, atol=5e-2)
+    for got, want in zip(grads, (xd.grad, ad.grad, bd.grad)):
+        cos = torch.nn.functional.cosine_similarity(got.double().flatten(), want.flatten(), dim=0)
+        assert cos > 0.999, cos
+    dead_out, *dead_grads = _fused_layer(x, a, b, w, p, s, dead=True, monkeypatch=monkeypatch)
+    assert not dead_out.any()
+    for got, want in zip(dead_grads, grads):
+        assert torch.equal(got, want)
+    torch.manual_seed(9)
+    with torch.no_grad():  # a checkpoint's first forward: no autograd Function, the same draws
+        assert torch.equal(fused_lora._lora_linear(x, None, None, a, b, s, p, False, False, True)[0], out)
+
+
+def test_without_cuda_the_fused_layer_falls_back_to_torchs_dropout(monkeypatch):
+    """On a CPU (no interpreter) the lever changes nothing: the same output and gradients as torch's dropout."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the fallback is for machines where the kernels cannot run")
+    x, a, b, _ = _inputs("cpu", torch.float32, 40, 64, 8, outputs=16)
+    w = _inputs("cpu", torch.float32, 16, 64, 1, seed=3)[0]
+    assert not lora_dropout.usable(x, a)
+    with_lever = _fused_layer(x, a, b, w, 0.2, 2.0, kernels=True, monkeypatch=monkeypatch)
+    without = _fused_layer(x, a, b, w, 0.2, 2.0, kernels=False, monkeypatch=monkeypatch)
+    for got, want in zip(with_lever, without):
+        assert torch.equal(got, want)
+    no_dropout = _fused_layer(x, a, b, w, 0.0, 2.0, kernels=False, monkeypatch=monkeypatch)
+    assert not torch.equal(without[0], no_dropout[0])  # the dropout did act
+
+
+def test_the_planner_counts_the_input_once_instead_of_copies_and_masks():
+    from dataclasses import replace
+
+    from nb_helpers.plan.activations import lora_bytes_per_token
+    from nb_helpers.plan.catalog import known_shape
+    from nb_helpers.plan.planner import PlanInput
+
+    shape = known_shape("tinyllama-1.1b")
+    torch_dropout = PlanInput(seq=2048, batch=8, dropout_kernels=False)
+    kernels = replace(torch_dropout, dropout_kernels=True)
+    h, r = shape.hidden, torch_dropout.rank
+    # q, k, v, o each keep a 16-bit dropped copy and a bool mask of their h inputs; with the kernels q, k and v keep
+    # their one input and o_proj's input is the attention output, kept by the attention anyway
+    assert lora_bytes_per_token(shape, torch_dropout) - lora_bytes_per_token(shape, kernels) == 4 * 3 * h - 2 * h
+    assert lora_bytes_per_token(shape, kernels) == 2 * h + 4 * 2 * r
+    no_dropout = replace(kernels, lora_dropout=0.0)
+    assert lora_bytes_per_token(shape, no_dropout) == 4 * (2 * h + 2 * r)  # no dropout: the inputs themselves
