@@ -4,7 +4,7 @@ base GEMM that adds into the output in both. Also checks the kernels against tor
 
     python bench/lora_dropout_bench.py --out results.json     # on the device; prints a table last
 
-Times are CUDA-event medians of 50 calls after 10 warm-up calls, per call of one projection.
+Times are CUDA-event medians (median_ms), per call of one projection.
 """
 
 from __future__ import annotations
@@ -21,17 +21,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nb_helpers.fast import lora_dropout as ld  # noqa: E402
 
 
-def median_ms(fn, repeat: int = 50, warmup: int = 10) -> float:
+def median_ms(fn, repeat: int = 21, warmup: int = 5, inner: int = 10) -> float:
+    """GPU time of one call: `inner` calls back to back between two events, so that the host's launch time (Triton's
+    launcher takes tens of microseconds) hides behind the queued work; the median over `repeat` samples. (Call 39
+    timed one call per sample, which counted the host's launch time too.)"""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / inner)
     return sorted(times)[len(times) // 2]
 
 
@@ -116,8 +121,8 @@ def sweep(t, p, s) -> list[dict]:
                                                                seed, tokens, features, a.shape[0], ld.threshold(p),
                                                                ld.keep_scale(p), R=16, BT=bt, BK=bk,
                                                                num_warps=warps)
-        rows.append({"bt": bt, "bk": bk, "warps": warps, "down_ms": median_ms(down_call, 20, 3),
-                     "grad_x_ms": median_ms(grad_x_call, 20, 3) if out.shape[1] == features else None})
+        rows.append({"bt": bt, "bk": bk, "warps": warps, "down_ms": median_ms(down_call, 7, 2),
+                     "grad_x_ms": median_ms(grad_x_call, 7, 2) if out.shape[1] == features else None})
     return rows
 
 

@@ -80,10 +80,10 @@ def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = T
     rank, outputs = a.shape[0], b.shape[0]
     down = torch.empty(tokens, rank, dtype=flat.dtype, device=flat.device)
     out = torch.empty(tokens, outputs, dtype=flat.dtype, device=flat.device) if write_out else down
-    rows = _row_tile(tokens)
+    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64  # 128: 79 against 94 us (call 39's sweep)
     kernels().down_kernel[(-(-tokens // rows),)](
         flat, a.contiguous(), b.contiguous(), down, out, seed, tokens, features, rank, outputs, threshold(p),
-        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=64, BN=128, WRITE_OUT=write_out, num_warps=4)
+        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=cols, BN=128, WRITE_OUT=write_out, num_warps=4)
     return down, (out if write_out else None)
 
 
