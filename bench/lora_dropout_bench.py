@@ -76,8 +76,7 @@ def kernel_path(t, p, s):
     grad_down = (t["g"] @ t["b"]).mul_(s)
 
     def backward():
-        grad_a = ld.grad_a(grad_down, t["x"], seed, p)
-        grad_x = ld.grad_x(grad_down, t["a"], seed, p, t["x"].shape[1])
+        grad_a, grad_x = ld.grads(grad_down, t["x"], t["a"], seed, p)
         grad_x.addmm_(t["g"], t["w"])
         return grad_a, grad_x
     return forward, backward, seed, grad_down
@@ -92,7 +91,7 @@ def check(t, p, s) -> dict:
     down, out = ld.dropped_down(t["x"], t["a"], t["b"], seed, p, s)
     ref_down = dropped.float() @ t["a"].float().t()
     ref_out = s * (down.float() @ t["b"].float().t())
-    grad_a, grad_x = ld.grad_a(grad_down, t["x"], seed, p), ld.grad_x(grad_down, t["a"], seed, p, features)
+    grad_a, grad_x = ld.grads(grad_down, t["x"], t["a"], seed, p)
     ref_a = grad_down.float().t() @ (t["x"].float() * mask) * ld.keep_scale(p)
     ref_x = (grad_down.float() @ t["a"].float()) * mask * ld.keep_scale(p)
 
@@ -109,20 +108,24 @@ def sweep(t, p, s) -> list[dict]:
     seed, down = ld.draw_seed("cuda"), torch.empty(tokens, a.shape[0], dtype=x.dtype, device="cuda")
     out = torch.empty(tokens, b.shape[0], dtype=x.dtype, device="cuda")
     gd = torch.randn(tokens, a.shape[0], device="cuda", dtype=x.dtype)
+    grad_x = torch.empty_like(x)
     rows = []
     for bt, bk, warps in itertools.product((32, 64, 128), (64, 128), (4, 8)):
+        splits = max(1, min(-(-tokens // bt), -(-264 // (features // bk))))
+        per_split = -(-(-(-tokens // splits)) // bt) * bt
+        parts = torch.empty(-(-tokens // per_split), 16, features, device="cuda")
+
         def down_call():
             k.down_kernel[(-(-tokens // bt),)](x, a, b, down, out, seed, tokens, features, a.shape[0], b.shape[0],
                                                ld.threshold(p), ld.keep_scale(p), s, R=16, BT=bt, BK=bk, BN=128,
                                                WRITE_OUT=True, num_warps=warps)
 
-        def grad_x_call():
-            k.grad_x_kernel[(-(-tokens // bt), features // bk)](gd, a, out if out.shape[1] == features else x.clone(),
-                                                               seed, tokens, features, a.shape[0], ld.threshold(p),
-                                                               ld.keep_scale(p), R=16, BT=bt, BK=bk,
-                                                               num_warps=warps)
+        def backward_call():
+            k.backward_kernel[(features // bk, parts.shape[0])](gd, x, a, grad_x, parts, seed, tokens, features,
+                                                                a.shape[0], ld.threshold(p), ld.keep_scale(p),
+                                                                per_split, R=16, BT=bt, BK=bk, num_warps=warps)
         rows.append({"bt": bt, "bk": bk, "warps": warps, "down_ms": median_ms(down_call, 7, 2),
-                     "grad_x_ms": median_ms(grad_x_call, 7, 2) if out.shape[1] == features else None})
+                     "backward_ms": median_ms(backward_call, 7, 2)})
     return rows
 
 
@@ -155,8 +158,8 @@ def main() -> None:
               f" {r['torch_backward_ms'] * 1e3:9.1f} {r['kernels_backward_ms'] * 1e3:9.1f} {r['base_gemm_ms'] * 1e3:6.1f}"
               f" {max(v for k, v in r['check'].items() if k != 'keep_rate'):13.2e}  keep {r['check']['keep_rate']:.5f}")
         for sw in r.get("sweep", []):
-            print(f"    BT {sw['bt']:3d} BK {sw['bk']:3d} warps {sw['warps']}: down {sw['down_ms'] * 1e3:6.1f} us"
-                  + (f", grad_x {sw['grad_x_ms'] * 1e3:6.1f} us" if sw["grad_x_ms"] else ""))
+            print(f"    BT {sw['bt']:3d} BK {sw['bk']:3d} warps {sw['warps']}: down {sw['down_ms'] * 1e3:6.1f} us, "
+                  f"backward {sw['backward_ms'] * 1e3:6.1f} us")
 
 
 if __name__ == "__main__":

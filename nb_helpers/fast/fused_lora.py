@@ -139,8 +139,7 @@ class LoRA4bitLinear(torch.autograd.Function):
         grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
         grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
         if seed is not None:  # `dropped` is the input itself: the kernels redraw the forward's mask from the seed
-            grad_a = lora_dropout.grad_a(grad_down, dropped, seed, ctx.dropout_p)
-            grad_x = lora_dropout.grad_x(grad_down, a, seed, ctx.dropout_p, dropped.shape[1])
+            grad_a, grad_x = lora_dropout.grads(grad_down, dropped, a, seed, ctx.dropout_p)
         else:
             grad_a = grad_down.t() @ dropped  # (r, in)
             grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add

@@ -7,8 +7,8 @@ On the TinyLlama shape at 8 x 2048 tokens that is about 1.4 ms a layer of an H20
 0.37 GiB of copies and masks alive in each layer's backward. Here each kernel redraws the mask where it needs it:
 
     down = dropout(x) A^T,  out = s * down B^T       forward: reads x once; the base GEMM then adds into `out`
-    grad_A = grad_down^T dropout(x)                  backward: reads x once more
-    grad_x = (grad_down A) * mask / (1 - p)          backward: writes its share; the base GEMM adds into it
+    grad_A = grad_down^T dropout(x)                  backward, one kernel: reads x once more, draws the mask once,
+    grad_x = (grad_down A) * mask / (1 - p)            writes x's share; the base GEMM adds into it
 
 The mask (fast.lora_dropout_kernels): 16-bit draws from Philox, seeded from torch's CUDA generator into a device
 tensor, so a checkpoint's recompute (which rewinds the generator) draws the same masks and CUDA graphs draw afresh
@@ -87,31 +87,23 @@ def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = T
     return down, (out if write_out else None)
 
 
-def grad_a(grad_down, flat, seed, p: float):
-    """grad_down^T dropout(flat): rank x features in fp32, through the same mask as dropped_down's."""
+def grads(grad_down, flat, a, seed, p: float):
+    """(grad_A, grad_x) through the same mask as dropped_down's, drawn once for both: grad_down^T dropout(flat) (rank
+    x features, fp32) and (grad_down A) * mask / (1 - p) (tokens x features, LoRA's share of the input's gradient,
+    into which the base GEMM then adds)."""
     tokens, features = flat.shape
     rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
-    rows, cols = 64, 128 if features % 128 == 0 else 64
+    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64
     col_blocks = features // cols
     splits = max(1, min(-(-tokens // rows), -(-264 // col_blocks)))  # about two programs per SM of an H200
     rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
     splits = -(-tokens // rows_per_split)
     parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
-    kernels().grad_a_kernel[(col_blocks, splits)](grad_down.contiguous(), flat, parts, seed, tokens, features, rank,
-                                                  threshold(p), rows_per_split, R=padded, BT=rows, BK=cols,
-                                                  num_warps=4)
-    return parts.sum(0)[:rank].mul_(keep_scale(p))
-
-
-def grad_x(grad_down, a, seed, p: float, features: int):
-    """(grad_down A) through the same mask, scaled: tokens x features, the LoRA share of the input's gradient."""
-    tokens = grad_down.shape[0]
-    out = torch.empty(tokens, features, dtype=grad_down.dtype, device=grad_down.device)
-    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64
-    kernels().grad_x_kernel[(-(-tokens // rows), features // cols)](
-        grad_down.contiguous(), a.contiguous(), out, seed, tokens, features, a.shape[0], threshold(p),
-        keep_scale(p), R=_rank_tile(a.shape[0]), BT=rows, BK=cols, num_warps=4)
-    return out
+    grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
+    kernels().backward_kernel[(col_blocks, splits)](
+        grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
+        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, num_warps=4)
+    return parts.sum(0)[:rank].mul_(keep_scale(p)), grad_x
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

@@ -54,43 +54,30 @@ def down_kernel(x_ptr, a_ptr, b_ptr, down_ptr, out_ptr, seed_ptr, tokens, featur
 
 
 @triton.jit
-def grad_a_kernel(gd_ptr, x_ptr, part_ptr, seed_ptr, tokens, features, rank, threshold, rows_per_split,
-                  R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """One split of the rows: grad_down^T dropout(x) (rank x BK columns, fp32, not yet scaled by 1 / (1 - p))."""
+def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, features, rank, threshold, inv_keep,
+                    rows_per_split, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """One split of the rows and BK columns, the mask drawn once for both: x's gradient share (grad_down A) * mask /
+    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, not yet scaled)."""
     col0 = tl.program_id(0) * BK
     cols = col0 + tl.arange(0, BK)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
     seed = tl.load(seed_ptr)
+    a = tl.load(a_ptr + ranks[:, None] * features + cols[None, :], mask=ranks[:, None] < rank, other=0.0)
     first = split * rows_per_split
     last = tl.minimum(first + rows_per_split, tokens)
     acc = tl.zeros((R, BK), dtype=tl.float32)
     for start in range(first, last, BT):
         rows = start + tl.arange(0, BT)
-        gd = tl.load(gd_ptr + rows[:, None] * rank + ranks[None, :],
-                     mask=(rows[:, None] < last) & (ranks[None, :] < rank), other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=rows[:, None] < last, other=0.0)
-        x = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), x, 0.0).to(x.dtype)
-        acc += tl.dot(tl.trans(gd.to(x.dtype)), x)
+        inside = rows[:, None] < last
+        gd = tl.load(gd_ptr + rows[:, None] * rank + ranks[None, :], mask=inside & (ranks[None, :] < rank),
+                     other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=inside, other=0.0)
+        keep = keep_mask(seed, rows, col0, features, threshold, BT, BK)
+        acc += tl.dot(tl.trans(gd.to(x.dtype)), tl.where(keep, x, 0.0).to(x.dtype))
+        share = tl.where(keep, tl.dot(gd, a.to(gd.dtype)) * inv_keep, 0.0)
+        tl.store(gx_ptr + rows[:, None] * features + cols[None, :], share.to(gx_ptr.dtype.element_ty), mask=inside)
     tl.store(part_ptr + split * R * features + ranks[:, None] * features + cols[None, :], acc)
-
-
-@triton.jit
-def grad_x_kernel(gd_ptr, a_ptr, out_ptr, seed_ptr, tokens, features, rank, threshold, inv_keep,
-                  R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """LoRA's share of x's gradient, (grad_down A) through the mask / (1 - p): tokens x features."""
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    col0 = tl.program_id(1) * BK
-    cols = col0 + tl.arange(0, BK)
-    ranks = tl.arange(0, R)
-    seed = tl.load(seed_ptr)
-    gd = tl.load(gd_ptr + rows[:, None] * rank + ranks[None, :],
-                 mask=(rows[:, None] < tokens) & (ranks[None, :] < rank), other=0.0)
-    a = tl.load(a_ptr + ranks[:, None] * features + cols[None, :], mask=ranks[:, None] < rank, other=0.0)
-    product = tl.dot(gd, a.to(gd.dtype)) * inv_keep
-    product = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), product, 0.0)
-    tl.store(out_ptr + rows[:, None] * features + cols[None, :], product.to(out_ptr.dtype.element_ty),
-             mask=rows[:, None] < tokens)
 
 
 @triton.jit
