@@ -14,6 +14,7 @@ prepare_model_for_kbit path, offload without overlap, levers alone) are left out
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -44,9 +45,16 @@ def config_of(row: dict) -> RunConfig:
 
 
 def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:
+    """The plan from a CPU. A point measured before LoRA's dropout kernels existed (call 39) is planned with them off,
+    as a learner who turns them off (NB_FASTPATH="dropout_kernels=0") plans it."""
     shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
-    return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
-                           gpu_extras=gpu_extras).peak_gib
+    before = os.environ.get("NB_FASTPATH")
+    os.environ["NB_FASTPATH"] = "" if row["path"].get("dropout_kernels") else "dropout_kernels=0"
+    try:
+        return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
+                               gpu_extras=gpu_extras).peak_gib
+    finally:
+        os.environ.pop("NB_FASTPATH") if before is None else os.environ.__setitem__("NB_FASTPATH", before)
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -74,7 +74,17 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call35-358a82c-w512-reference_ours_no-fused-block.json": (
                   "fused blocks, 8 x 512 (call 35, held out)", True, None),
               "raw/throughput-turing-call36-93ad4e3.json": ("fused blocks, GTX 1650 card, bf16 and fp16 (call 36, "
-                                                            "held out)", True, None)}
+                                                            "held out)", True, None),
+              # LoRA's dropout inside its rank-r products (fast.lora_dropout, calls 39-42), with and without: held
+              # out; the planner counts the input it saves instead of the dropped copies and masks
+              "raw/throughput-call39-w2048.json": ("dropout kernels, 8 x 2048 (call 39, held out)", True, None),
+              "raw/throughput-call40-w512.json": ("dropout kernels, 8 x 512 (call 40, held out)", True, None),
+              "raw/throughput-turing-call40.json": ("dropout kernels, GTX 1650 card, fp16 (call 40, held out)", True,
+                                                    None),
+              "raw/throughput-call41-w2048.json": ("dropout kernels, 8 x 2048 and the reference's settings (call 41, "
+                                                   "held out)", True, None),
+              "raw/throughput-call42-w512.json": ("dropout kernels, 8 x 512 (call 42, held out)", True, None),
+              "raw/throughput-call42-w2048.json": ("dropout kernels, 8 x 2048 (call 42, held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
@@ -84,9 +94,10 @@ BEFORE_EXPANDABLE = "-at-c8e6f11"
 
 
 def flags(fast: str | None, expandable_default: bool, log: list[str] | None = None,
-          overlap_before: bool = False, graphs: bool = False) -> dict:
+          overlap_before: bool = False, graphs: bool = False, ran: dict | None = None) -> dict:
     """PlanInput switches for a run made with NB_FASTPATH=fast. Offloaded checkpoints and CUDA graphs are read from
-    the run's own log, since auto-fit may choose them without NB_FASTPATH saying so."""
+    the run's own log, since auto-fit may choose them without NB_FASTPATH saying so; LoRA's dropout kernels from the
+    levers the run recorded (`ran`: summary.json's fast_levers; runs before call 39 had none)."""
     fast = fast or ""
     off = {item.partition("=")[0] for item in fast.split(",") if item.endswith("=0")}
     offload = any("checkpoints offloaded to pinned CPU RAM" in line for line in log or [])
@@ -99,7 +110,8 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
     overlap = "offload_overlap" not in off and not overlap_before
     return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
-                offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off)
+                offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off,
+                dropout_kernels=bool((ran or {}).get("dropout_kernels")))
 
 
 def rows():
@@ -148,7 +160,7 @@ def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, b
                              budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
                              allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
                 flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log") or [],
-                      overlap_before=before_overlap)  # 2026-11-30's calls ran before the side-stream copies
+                      overlap_before=before_overlap, ran=r.get("fast_levers"))  # 2026-11-30's: copies on the compute stream
 
 
 def main() -> None:

@@ -122,7 +122,11 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 "throughput-call34-b25e3a2-w512.json": None,
                 "throughput-call35-358a82c-w2048-reference_ours_ours-1x8.json": None,
                 "throughput-call35-358a82c-w512-reference_ours_no-fused-block.json": None,
-                "throughput-call35-358a82c-w512-no-fused-block_ours.json": None}  # shipped rows vary in length: not here
+                "throughput-call35-358a82c-w512-no-fused-block_ours.json": None,
+                # LoRA's dropout kernels (calls 39-42), with and without
+                "throughput-call39-w2048.json": None, "throughput-call40-w512.json": None,
+                "throughput-call41-w2048.json": None, "throughput-call42-w512.json": None,
+                "throughput-call42-w2048.json": None}  # shipped rows vary in length: not here
 
 
 def throughput_rows() -> list[dict]:
