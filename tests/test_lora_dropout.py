@@ -148,3 +148,30 @@ def test_the_planner_counts_the_input_once_instead_of_copies_and_masks():
     assert lora_bytes_per_token(shape, kernels) == 2 * h + 4 * 2 * r
     no_dropout = replace(kernels, lora_dropout=0.0)
     assert lora_bytes_per_token(shape, no_dropout) == 4 * (2 * h + 2 * r)  # no dropout: the inputs themselves
+
+
+def test_without_triton_the_kernels_are_off_and_say_so_once(monkeypatch, capsys):
+    """Where Triton cannot be imported (a CPU-only torch, Windows' CUDA torch) the lever falls back, said once."""
+    import builtins
+
+    from nb_helpers import frontend
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(frontend, "_SAID", set())
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    monkeypatch.delitem(__import__("sys").modules, "nb_helpers.fast.lora_dropout_kernels", raising=False)
+    lora_dropout.kernels.cache_clear()
+    try:
+        assert lora_dropout.kernels() is None and lora_dropout.kernels() is None
+        x, a, _, _ = _inputs("cpu", torch.float16, 8, 64, 4)
+        assert not lora_dropout.usable(x, a)
+    finally:
+        lora_dropout.kernels.cache_clear()
+    said = capsys.readouterr().out
+    assert said.count("LoRA dropout kernels off: Triton is not importable") == 1, said
