@@ -100,7 +100,7 @@ def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: flo
     keeps instead of a dropped copy and a mask."""
     flat = x.reshape(-1, x.shape[-1])
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-    if dropout_p > 0 and dropout_kernels and lora_dropout.usable(flat, a):
+    if dropout_p > 0 and dropout_kernels and lora_dropout.usable(flat, a, b.shape[0]):
         seed = lora_dropout.draw_seed(flat.device)
         down, out = lora_dropout.dropped_down(flat, a, b, seed, dropout_p, scaling, write_out=not dead)
         if not dead:  # LoRA's share first: the base GEMM adds into it (beta=1), no separate pass over the output

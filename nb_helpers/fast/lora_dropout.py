@@ -4,7 +4,7 @@ peft computes s * lora_B(lora_A(dropout(x))). With torch's kernels that is a dro
 dropped copy and a bool mask (the backward keeps both), a GEMM that reads the copy, and a GEMM that adds the rank-r
 product into the output (a read and a write of it); the backward reads the copy again and scales through the mask.
 On the TinyLlama shape at 8 x 2048 tokens that is about 1.4 ms a layer of an H200's step (bench/NOTES.md), and
-0.37 GiB of copies and masks alive in each layer's backward. Here each kernel redraws the mask where it needs it:
+320 MiB of copies and masks alive in each layer's backward (the planner's count). Here each kernel redraws the mask where it needs it:
 
     down = dropout(x) A^T,  out = s * down B^T       forward: reads x once; the base GEMM then adds into `out`
     grad_A = grad_down^T dropout(x)                  backward, one kernel: reads x once more, draws the mask once,
@@ -41,13 +41,14 @@ def kernels():
     return lora_dropout_kernels
 
 
-def usable(flat, lora_a) -> bool:
+def usable(flat, lora_a, outputs: int = 0) -> bool:
     """Whether the kernels take this call: CUDA (or Triton's interpreter), a 16-bit contiguous 2-D input whose
-    features the tiles divide, a rank that fits, group counters that fit 31 bits, and Triton importable."""
+    features the tiles divide, a rank that fits, offsets that fit 31 bits (the kernels index in int32), and Triton
+    importable."""
     return ((flat.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
             and flat.dtype in (torch.float16, torch.bfloat16) and flat.is_contiguous() and flat.dim() == 2
             and flat.shape[1] % FEATURE_STEP == 0 and lora_a.shape[0] <= MAX_RANK and flat.shape[0] > 0
-            and flat.numel() // 8 < 2**31 and kernels() is not None)
+            and max(flat.numel(), flat.shape[0] * outputs) < 2**31 and kernels() is not None)
 
 
 def draw_seed(device) -> torch.Tensor:
@@ -107,7 +108,7 @@ def grads(grad_down, flat, a, seed, p: float):
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:
-    """The bool mask the kernels draw for `seed` (tests, notebook 06's worked example)."""
+    """The bool mask the kernels draw for `seed` (for the tests)."""
     out = torch.empty(tokens, features, dtype=torch.int8, device=device)
     kernels().mask_kernel[(-(-tokens // rows), features // cols)](out, seed, tokens, features, threshold(p),
                                                                  BT=rows, BK=cols)

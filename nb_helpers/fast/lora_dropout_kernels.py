@@ -10,7 +10,8 @@ any block size whose columns start at a multiple of 8, so the backward redraws t
 import triton
 import triton.language as tl
 
-ROUNDS = tl.constexpr(7)  # Philox-4x32-7: passes BigCrush (Salmon et al., 2011); 10 is Triton's default, 30% more integer work
+# Philox-4x32 with 7 rounds passes BigCrush (Salmon et al., 2011); Triton's default of 10 is 30% more integer work
+ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -82,7 +83,7 @@ def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, fe
 
 @triton.jit
 def mask_kernel(out_ptr, seed_ptr, tokens, features, threshold, BT: tl.constexpr, BK: tl.constexpr):
-    """The mask itself, as int8 (tests and the worked example)."""
+    """The mask itself, as int8 (for the tests)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     col0 = tl.program_id(1) * BK
     cols = col0 + tl.arange(0, BK)
