@@ -175,3 +175,28 @@ def test_without_triton_the_kernels_are_off_and_say_so_once(monkeypatch, capsys)
         lora_dropout.kernels.cache_clear()
     said = capsys.readouterr().out
     assert said.count("LoRA dropout kernels off: Triton is not importable") == 1, said
+
+
+@pytest.mark.parametrize("capability,dtype", [(90, "*bf16"), (75, "*fp16")])  # an H200; a GTX 1650 (no bf16)
+def test_the_kernels_compile_for_the_gpus_they_serve(capability, dtype):
+    """Compiled ahead of time, without a GPU, where Triton is installed (CI's CPU has none: skipped there). Triton's
+    interpreter accepts code its compiler refuses (call 38 lost a device call to a plain global in a kernel)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = lora_dropout.kernels()
+    i32, f32 = "i32", "fp32"
+    signatures = {
+        k.down_kernel: ([dtype] * 5 + ["*i32"] + [i32] * 5 + [f32] * 2, dict(R=16, BT=64, BK=128, BN=128,
+                                                                          WRITE_OUT=True)),
+        k.backward_kernel: ([dtype] * 4 + ["*fp32", "*i32"] + [i32] * 4 + [f32, i32], dict(R=16, BT=64, BK=128)),
+        k.mask_kernel: (["*i8", "*i32"] + [i32] * 3, dict(BT=32, BK=64)),
+    }
+    for kernel, (types, constants) in signatures.items():
+        names = kernel.arg_names
+        signature = {**dict(zip(names, types)), **{c: "constexpr" for c in constants}}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(names.index(c),): v for c, v in constants.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        assert compiled.asm.get("ptx"), kernel.__name__
