@@ -128,6 +128,6 @@ LEVERS = {
                     "GPU busy 15.0 against 15.5 us/token at 8 x 2048 (59,468 against 59,182 tokens/s), 14.9 against 15.2 "
                     "at 8 x 512"),
     "dropout_kernels": ("LoRA's dropout drawn inside its rank-r products (Triton): no dropped copy or mask written",
-                        "GPU busy 14.1 against 14.6 us/token at 8 x 2048 and 0.33 GiB less (2.86 against 3.19 GiB); 14.6 "
-                        "against 14.8 at 8 x 512"),
+                        "GPU busy 15.5 against 16.0 us/token at 8 x 2048 (13.1 against 13.8 without copies) and 0.33 GiB "
+                        "less (2.86 against 3.19 GiB); 14.80 against 14.95 at 8 x 512"),
 }
