@@ -111,9 +111,8 @@ def sweep(t, p, s) -> list[dict]:
     grad_x = torch.empty_like(x)
     rows = []
     for bt, bk, warps in itertools.product((32, 64, 128), (64, 128), (4, 8)):
-        splits = max(1, min(-(-tokens // bt), -(-264 // (features // bk))))
-        per_split = -(-(-(-tokens // splits)) // bt) * bt
-        parts = torch.empty(-(-tokens // per_split), 16, features, device="cuda")
+        splits, per_split = ld.row_splits(tokens, features, bt, bk)
+        parts = torch.empty(splits, 16, features, device="cuda")
 
         def down_call():
             k.down_kernel[(-(-tokens // bt),)](x, a, b, down, out, seed, tokens, features, a.shape[0], b.shape[0],

@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -48,13 +49,10 @@ def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:
     """The plan from a CPU. A point measured before LoRA's dropout kernels existed (call 39) is planned with them off,
     as a learner who turns them off (NB_FASTPATH="dropout_kernels=0") plans it."""
     shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
-    before = os.environ.get("NB_FASTPATH")
-    os.environ["NB_FASTPATH"] = "" if row["path"].get("dropout_kernels") else "dropout_kernels=0"
-    try:
+    lever = "" if row["path"].get("dropout_kernels") else "dropout_kernels=0"
+    with patch.dict(os.environ, {"NB_FASTPATH": lever}):
         return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
                                gpu_extras=gpu_extras).peak_gib
-    finally:
-        os.environ.pop("NB_FASTPATH") if before is None else os.environ.__setitem__("NB_FASTPATH", before)
 
 
 def error_pct(predicted: float, measured: float) -> float:

@@ -74,6 +74,17 @@ def _row_tile(tokens: int) -> int:
     return 64 if tokens >= 64 * 264 else 32 if tokens >= 32 * 132 else 16
 
 
+def _col_tile(features: int) -> int:
+    return 128 if features % 128 == 0 else 64  # 128: 79 against 94 us for the forward (call 39's sweep)
+
+
+def row_splits(tokens: int, features: int, rows: int, cols: int) -> tuple[int, int]:
+    """(splits, rows per split) of the backward kernel's grid: about two programs per SM of an H200, whole tiles."""
+    splits = max(1, min(-(-tokens // rows), -(-264 // (features // cols))))
+    rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
+    return -(-tokens // rows_per_split), rows_per_split
+
+
 def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = True):
     """(down, out): down = dropout(flat) A^T (tokens x rank, flat's dtype); out = scaling * down B^T (tokens x
     outputs), or None without `write_out` (a product nothing reads: fast.recompute)."""
@@ -81,7 +92,7 @@ def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = T
     rank, outputs = a.shape[0], b.shape[0]
     down = torch.empty(tokens, rank, dtype=flat.dtype, device=flat.device)
     out = torch.empty(tokens, outputs, dtype=flat.dtype, device=flat.device) if write_out else down
-    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64  # 128: 79 against 94 us (call 39's sweep)
+    rows, cols = _row_tile(tokens), _col_tile(features)
     kernels().down_kernel[(-(-tokens // rows),)](
         flat, a.contiguous(), b.contiguous(), down, out, seed, tokens, features, rank, outputs, threshold(p),
         keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=cols, BN=128, WRITE_OUT=write_out, num_warps=4)
@@ -94,14 +105,11 @@ def grads(grad_down, flat, a, seed, p: float):
     into which the base GEMM then adds)."""
     tokens, features = flat.shape
     rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
-    rows, cols = _row_tile(tokens), 128 if features % 128 == 0 else 64
-    col_blocks = features // cols
-    splits = max(1, min(-(-tokens // rows), -(-264 // col_blocks)))  # about two programs per SM of an H200
-    rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
-    splits = -(-tokens // rows_per_split)
+    rows, cols = _row_tile(tokens), _col_tile(features)
+    splits, rows_per_split = row_splits(tokens, features, rows, cols)
     parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
-    kernels().backward_kernel[(col_blocks, splits)](
+    kernels().backward_kernel[(features // cols, splits)](
         grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
         keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, num_warps=4)
     return parts.sum(0)[:rank].mul_(keep_scale(p)), grad_x
