@@ -1,5 +1,7 @@
 """The fused QLoRA layers compute what peft + bitsandbytes compute: outputs and gradients, with LoRA dropout on
-(the same seed draws the same mask), on the tiny model in fp32 on the CPU (bitsandbytes dequantizes there too)."""
+(the same seed draws the same mask), on the tiny model in fp32 on the CPU (bitsandbytes dequantizes there too). On a
+machine with a GPU (a learner's `make test`) the same tests run there: the model loads onto it, so the token ids
+follow the model."""
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ def _model(tiny_cfg, patched: bool, dtype: str = "float32", dropout: float = 0.1
 
 
 def _loss_and_grads(model, ids):
+    ids = ids.to(model.device)
     torch.manual_seed(7)  # the same dropout masks in both models
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
     loss = model(inputs_embeds=embeds, labels=ids).loss
@@ -47,7 +50,7 @@ def test_fused_layers_match_peft_and_bitsandbytes(tiny_cfg):
 
 def test_fused_layers_fall_back_when_adapters_are_disabled(tiny_cfg):
     model = _model(tiny_cfg, True)
-    ids = torch.randint(0, 1000, (1, 8))
+    ids = torch.randint(0, 1000, (1, 8)).to(model.device)
     model.eval()
     with torch.no_grad(), model.disable_adapter():
         base = model(input_ids=ids).logits
@@ -60,8 +63,8 @@ def test_without_autograd_the_fused_layers_give_the_same_outputs_and_draw_the_sa
     """Under no_grad (a checkpoint's first forward) the layers skip their autograd Function: the same logits as with
     gradients on and as peft's, dropout on, and the generator left where the Function leaves it (the recompute's
     masks depend on that)."""
-    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     fused, peft_model = _model(tiny_cfg, True), _model(tiny_cfg, False)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0)).to(fused.device)
     runs = []
     for model, grad in ((fused, False), (fused, True), (peft_model, False)):
         torch.manual_seed(3)
@@ -98,12 +101,18 @@ def test_fused_layers_match_on_the_gpu_in_bf16(tiny_cfg):
 
 
 def test_direct_dequantize_falls_back_without_cuda_kernels_and_says_so_once(capsys, monkeypatch):
-    """This CPU build of bitsandbytes has no CUDA backend: the probe finds no kernels, says so once, and the public
-    dequantize_4bit runs."""
+    """Where the probe finds no kernels (a CPU build of bitsandbytes has no CUDA backend; a changed one fails
+    fast.compat's check) it says so once, and the public dequantize_4bit runs. The probe is made to fail here, so
+    the test means the same on a machine with a GPU."""
     from nb_helpers import frontend
+    from nb_helpers.fast import compat
+
+    def no_kernels():
+        raise RuntimeError("no CUDA backend in this build of bitsandbytes")
 
     monkeypatch.setattr(frontend, "_SAID", set())
     monkeypatch.setattr(fused_lora, "_KERNELS", [])
+    monkeypatch.setattr(compat, "dequantize_kernels", no_kernels)
     assert not fused_lora.direct_dequant_available() and not fused_lora.direct_dequant_available()
     assert fused_lora._direct_kernels() is None and fused_lora.direct_kernels_unavailable_reason()
     assert capsys.readouterr().out.count("dequantize kernels are not reachable directly") == 1
