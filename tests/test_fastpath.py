@@ -24,7 +24,7 @@ def test_levers_from_the_environment(monkeypatch):
     assert fastpath.gpu_options().lean is False and fastpath.gpu_options().nomask is True
 
 
-def test_cpu_defaults_keep_the_cpu_path(monkeypatch):
+def test_cpu_defaults_keep_the_cpu_path(monkeypatch, no_gpu):
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
     opts = FastOptions.from_env()
     assert not opts.lean and not opts.nomask and not opts.fused_lora  # no GPU here: the CPU path is unchanged
@@ -38,7 +38,7 @@ def _tiny(tiny_cfg, fast):
     return attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg, fast=fast)
 
 
-def test_kernels_fall_back_cleanly_and_say_so_once(tiny_cfg, capsys, monkeypatch):
+def test_kernels_fall_back_cleanly_and_say_so_once(tiny_cfg, capsys, monkeypatch, no_gpu):
     monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=True, nomask=True))
@@ -67,7 +67,7 @@ def test_dropping_the_mask_of_right_padded_batches_changes_no_loss(tiny_cfg):
                   FastOptions(lean=True, kernels=False, nomask=True))
     model.train()
     torch.manual_seed(0)
-    ids = torch.randint(3, 200, (3, 24))
+    ids = torch.randint(3, 200, (3, 24)).to(model.device)
     mask = torch.ones_like(ids)
     mask[1, 17:] = 0
     mask[2, 5:] = 0
@@ -138,7 +138,7 @@ def _plain_recipe_losses(model_dir, rows_file, steps, tmp_path, dtype="bfloat16"
 
 
 @pytest.mark.gpu
-def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, capsys):
+def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, capsys, monkeypatch):
     """Same data, seed and effective batch: our fast GPU path (lean, fused kernels, no mask, CUDA-graphed layers,
     8 x 1: what auto-fit picks) against the plain recipe at 1 x 8. The losses agree within bf16 noise at every one
     of the first 20 steps."""
@@ -146,6 +146,7 @@ def test_fast_path_tracks_the_plain_recipe_over_20_steps(tiny_cfg, tmp_path, cap
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
 
+    monkeypatch.setattr(frontend, "_SAID", set())  # another test of this session may have said it already
     rows_file = tmp_path / "rows.jsonl"
     lines = (tiny_cfg.resolve_path("data/train.jsonl")).read_text(encoding="utf-8").splitlines()[:160]
     rows_file.write_text("".join(json.dumps(normalize_row(json.loads(line))) + "\n" for line in lines))
@@ -311,7 +312,7 @@ def test_offload_runs_through_train_and_says_so(tiny_cfg, capsys, monkeypatch):
     assert len(losses) == 3 and all(loss == loss for loss in losses)
 
 
-def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
+def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch, no_gpu):
     monkeypatch.setattr(frontend, "_SAID", set())
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
     _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, offload=True))
@@ -319,7 +320,7 @@ def test_offload_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, cap
     assert "gradient_checkpointing_enable" not in vars(model)  # the model's own switch is untouched
 
 
-def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch):
+def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, capsys, monkeypatch, no_gpu):
     import bitsandbytes as bnb
 
     monkeypatch.setattr(frontend, "_SAID", set())
@@ -329,7 +330,7 @@ def test_fused_lora_falls_back_cleanly_without_a_gpu_and_says_so_once(tiny_cfg, 
     assert not any("forward" in vars(m) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
 
 
-def test_checkpoint_kwargs_follow_the_levers(monkeypatch):
+def test_checkpoint_kwargs_follow_the_levers(monkeypatch, no_gpu):
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
     assert checkpoints.checkpoint_kwargs() == {"use_reentrant": False}  # no GPU here: the CPU path is unchanged
     assert fastpath.gpu_options().reentrant  # a GPU run uses reentrant checkpoints
@@ -345,7 +346,7 @@ def test_reentrant_checkpoints_give_the_gradients_of_the_plain_ones(tiny_cfg):
     model = _tiny(tiny_cfg.replace(lora_dropout=0.1), FastOptions(lean=True, kernels=False, nomask=False))
     model.enable_input_require_grads()
     model.train()
-    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0)).to(model.device)
 
     def grads(**kwargs):
         if kwargs:
@@ -447,7 +448,7 @@ def test_the_run_records_its_levers_and_the_config_file_still_loads(tiny_cfg, tm
         tiny_cfg.replace(fast_path="no")
 
 
-def test_levers_line_says_what_runs(tiny_cfg, monkeypatch):
+def test_levers_line_says_what_runs(tiny_cfg, monkeypatch, no_gpu):
     import torch
 
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False))
@@ -479,3 +480,23 @@ def test_fast_path_off_trains_the_plain_recipe(tiny_cfg, tmp_path):
     plain = _plain_recipe_losses(tiny_cfg.model, rows_file, 8, tmp_path)
     assert max(abs(a - b) / b for a, b in zip(ours, plain)) < 0.02, list(zip(ours, plain))  # LoRA's A is drawn from each run's RNG state
     assert not any(json.loads((run / "summary.json").read_text())["fast_levers"].values())
+
+
+def test_ropes_patch_is_for_gpu_tensors_only():
+    """liger's RoPE patch is process-wide and its kernel takes CUDA tensors only: after a GPU run in one process, a
+    model on the CPU (the export's merged model, seen when the suite ran on a GPU machine) takes transformers' own."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from nb_helpers.fast.kernels import rope_by_device
+
+    def liger_like(q, k, cos, sin, *rest):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    rope = rope_by_device(liger_like, apply_rotary_pos_emb)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for got, want in zip(rope(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, want)
+    again = rope_by_device(rope, apply_rotary_pos_emb)  # a second model patched in the same process: no nesting
+    assert again.liger is liger_like and again.stock is apply_rotary_pos_emb

@@ -89,7 +89,7 @@ def test_resume_note_at_the_same_and_at_another_world_size(tmp_path):
     assert "global batch stays" in note and "data order" in note
 
 
-def test_ddp_settings_only_with_several_processes(tmp_path):
+def test_ddp_settings_only_with_several_processes(tmp_path, no_gpu):
     from nb_helpers.training import TrainingRun
     from nb_helpers.trainer_setup import bookkeeping_args
 
@@ -103,7 +103,7 @@ def test_ddp_settings_only_with_several_processes(tmp_path):
     assert bookkeeping_args(run)["gradient_checkpointing_kwargs"]["use_reentrant"] is False
 
 
-def test_each_process_loads_onto_its_own_device(monkeypatch):
+def test_each_process_loads_onto_its_own_device(monkeypatch, no_gpu):
     import torch
 
     from nb_helpers.models import device_map_for_this_process
@@ -114,6 +114,25 @@ def test_each_process_loads_onto_its_own_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     expected = 1 if torch.cuda.is_available() else "cpu"
     assert device_map_for_this_process() == {"": expected}
+
+
+def test_more_processes_than_gpus_are_refused_before_anything_loads(monkeypatch, cli, tiny_cfg):
+    """Two processes on a machine with one GPU: NCCL stopped them at the first barrier, after the model had loaded
+    ("Duplicate GPU detected", seen when the suite ran on a one-GPU machine). Now a settings error that names both
+    fixes, from the command line too (no traceback)."""
+    import torch
+
+    with pytest.raises(ConfigError) as e:
+        distributed.check_one_gpu_each(2, 1)
+    assert "2 processes need 2 GPUs" in str(e.value) and "shows 1" in str(e.value)
+    assert "--num_processes 1" in str(e.value) and "CUDA_VISIBLE_DEVICES=" in str(e.value)
+    distributed.check_one_gpu_each(2, 2)  # one each: nothing to say
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = cli("train", "--set", f"model={tiny_cfg.model}")
+    assert result.returncode == 2 and "2 processes need 2 GPUs" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_one_process_needs_no_process_group(monkeypatch, capsys):
@@ -161,10 +180,11 @@ def test_metrics_of_other_ranks_are_kept_but_not_written(tmp_path):
 # --- a real launch: two processes on the CPU ----------------------------------------------------------------------
 
 def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """`accelerate launch --multi_gpu --num_processes 2 -m nb_helpers ...`: without a GPU the processes train on the
-    CPU and talk through gloo, the same code path as NCCL on GPUs."""
+    """`accelerate launch --multi_gpu --num_processes 2 -m nb_helpers ...`: the processes train on the CPU and talk
+    through gloo, the same code path as NCCL on GPUs. The GPUs are hidden from them: on a learner's machine with one
+    GPU, two processes would share it (which init refuses: tests/test_multi_process.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NB_CI", "NB_CONFIG", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "-m", "nb_helpers", *args]

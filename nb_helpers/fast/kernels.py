@@ -65,13 +65,26 @@ def apply_fused_kernels(model, verbose: bool = True) -> bool:
 
     # With model=..., liger patches this instance's modules; it also swaps two module-level classes, which we put
     # back so models built later in this process are not changed behind the user's back. RoPE is a function that
-    # the attention layer looks up at call time, so it stays patched (it computes the same rotation).
+    # the attention layer looks up at call time, so it stays patched for the process, on CUDA tensors only.
     classes = modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP
+    stock_rope = getattr(modeling_llama.apply_rotary_pos_emb, "stock", modeling_llama.apply_rotary_pos_emb)
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=False, model=model)
     modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP = classes
+    modeling_llama.apply_rotary_pos_emb = rope_by_device(modeling_llama.apply_rotary_pos_emb, stock_rope)
     if verbose:
         say_once("kernels-on", "[fast] fused Triton kernels (liger-kernel) for RMSNorm, SwiGLU and RoPE")
     return True
 
 
+def rope_by_device(liger_rope, stock_rope):
+    """liger's RoPE where q is on a GPU, transformers' own elsewhere. liger's is a Triton kernel, and its patch is
+    process-wide: without this, a model on the CPU later in the same process (the export's merged model, a CPU
+    generation after training in one notebook) crashed in it ("cannot be accessed from Triton (cpu tensor?)")."""
+    liger_rope = getattr(liger_rope, "liger", liger_rope)
+
+    def rope(q, k, *args, **kwargs):
+        return (liger_rope if q.is_cuda else stock_rope)(q, k, *args, **kwargs)
+
+    rope.liger, rope.stock = liger_rope, stock_rope
+    return rope
