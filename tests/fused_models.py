@@ -37,6 +37,7 @@ def use_checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool 
 
 def train_step(model, ids, autocast=None):
     """(loss, the trainable parameters' gradients) of one step, with the same dropout masks in every call."""
+    ids = ids.to(model.device)  # on a machine with a GPU the model loads there
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
     with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):

@@ -88,7 +88,7 @@ def test_plan_command_plans_the_named_card_and_the_course_card_by_default(cli):
     assert wrong.returncode == 2 and "card='gtx1660': not a card preset" in wrong.stderr and "Traceback" not in wrong.stderr
 
 
-def test_a_run_for_a_card_plans_that_card_and_on_a_cpu_says_nothing_is_capped(tiny_cfg, capsys):
+def test_a_run_for_a_card_plans_that_card_and_on_a_cpu_says_nothing_is_capped(tiny_cfg, capsys, no_gpu):
     from nb_helpers.training import prepare_run
 
     run = prepare_run(tiny_cfg.replace(card="gtx1650", budget_gib=None))

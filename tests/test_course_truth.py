@@ -42,7 +42,7 @@ def test_a_slider_moved_after_loading_says_the_loaded_run_does_not_train_it():
     assert "moved after loading" not in panel.binding.status.value
 
 
-def test_the_plan_panel_says_what_will_train(monkeypatch):
+def test_the_plan_panel_says_what_will_train(monkeypatch, no_gpu):
     import torch
 
     from nb_helpers.plan.catalog import known_shape

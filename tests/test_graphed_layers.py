@@ -33,7 +33,7 @@ def _grads(model, ids, use_function=None):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
-def test_graphed_checkpoint_without_graphs_gives_torchs_reentrant_gradients(tiny_cfg, monkeypatch):
+def test_graphed_checkpoint_without_graphs_gives_torchs_reentrant_gradients(tiny_cfg, monkeypatch, no_gpu):
     """On a CPU no graph is captured: the function is a reentrant checkpoint of its own (the forward without
     autograd, the recompute with the forward's dropout masks), and its LoRA gradients equal torch's."""
     import torch

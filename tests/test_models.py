@@ -57,7 +57,7 @@ def test_fallback_to_embedded_says_why(monkeypatch, capsys, embedded_dir):
     assert "Hub unreachable" in capsys.readouterr().out
 
 
-def test_cpu_eval_pass_does_not_break_training_gradients(tiny_model_dir):
+def test_cpu_eval_pass_does_not_break_training_gradients(tiny_model_dir, no_gpu):
     """Regression: bitsandbytes repacks 4-bit weights for CPU inference on the first eval-mode forward and
     then trains through a kernel without autograd, silently dropping gradients through the base layers."""
     from nb_helpers.lora import attach_lora

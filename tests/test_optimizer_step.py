@@ -51,7 +51,7 @@ def test_each_reason_to_keep_bitsandbytes_step_is_named():
     assert optimizer_step.why_not_direct(opt, group, params[0]) == "update-norm clipping (max_unorm)"
 
 
-def test_where_it_does_not_apply_bitsandbytes_own_step_runs_and_gives_its_updates():
+def test_where_it_does_not_apply_bitsandbytes_own_step_runs_and_gives_its_updates(no_gpu):
     mine, theirs = adapters(), adapters()
     opt_mine, opt_theirs = paged_adamw(mine), paged_adamw(theirs)
     calls = []

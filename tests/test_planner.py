@@ -347,7 +347,7 @@ def test_auto_fit_keeps_the_effective_batch_on_gpu(tiny_cfg, capsys):
     assert summary["status"] == "completed" and summary["predicted_peak_gib"] < 4.0
 
 
-def test_auto_fit_without_a_gpu_says_so_and_keeps_the_settings(tiny_cfg, capsys):
+def test_auto_fit_without_a_gpu_says_so_and_keeps_the_settings(tiny_cfg, capsys, no_gpu):
     import json as _json
 
     from nb_helpers.training import train

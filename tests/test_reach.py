@@ -58,7 +58,7 @@ def test_lora_targets_are_translated_per_family(table):
     assert lean.peak_gib == pytest.approx(row.peak_gib)  # cuda_graphs unset: eager layers, as planned above
 
 
-def test_model_choice_replans_with_the_same_knobs():
+def test_model_choice_replans_with_the_same_knobs(no_gpu):  # the catalogue's plans, for no GPU in particular
     from nb_helpers.ui.widgets import family_plan_widget
 
     cfg = RECIPE.replace(lora_r=16, lora_alpha=32)

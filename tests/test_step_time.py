@@ -104,7 +104,7 @@ def test_notebook_04_compares_time_only_on_the_gpu_predicted_for():
     assert "No step-time prediction" in st.time_note({})
 
 
-def test_no_gpu_plans_the_course_card_and_an_unknown_gpu_none(monkeypatch):
+def test_no_gpu_plans_the_course_card_and_an_unknown_gpu_none(monkeypatch, no_gpu):
     import torch
 
     assert st.timing_gpu(RunConfig())["name"] == find_card("gtx1650").name  # this CPU: the course's card
