@@ -185,7 +185,9 @@ def launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     through gloo, the same code path as NCCL on GPUs. The GPUs are hidden from them: on a learner's machine with one
     GPU, two processes would share it (which init refuses: tests/test_multi_process.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NB_CI", "NB_CONFIG", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # the project first, then whatever the caller's PYTHONPATH holds (packages installed there, as on the lent device)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.update(PYTHONPATH=path, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "-m", "nb_helpers", *args]
