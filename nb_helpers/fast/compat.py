@@ -1,10 +1,9 @@
 """Every private or internal API of another library that nb_helpers leans on, in one place, each with a probe.
 
-The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel (C
-kernels called through ctypes, a function transformers swaps per layer, an optimizer's state, a layer's forward copied),
-none of it promised across versions. Each use is a Check whose probe verifies the name AND the shape we rely on, so an
-upgrade that moves one fails in CI (tests/test_compat.py) and at run time its lever falls back with one line
-(fallback_note). Uses outside fast/ carry the pseudo-lever "course": the check must pass. Nothing imports eagerly."""
+The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel, none of
+it promised across versions. Each use is a Check whose probe verifies the name AND the shape we rely on: an upgrade
+that moves one fails in CI (tests/test_compat.py), and at run time its lever falls back with one line (fallback_note).
+Uses outside fast/ carry the pseudo-lever "course": the check must pass. Nothing imports eagerly."""
 
 from __future__ import annotations
 
@@ -271,7 +270,8 @@ CHECKS: tuple[Check, ...] = (
         "hidden_states = residual + hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)")),
     _check("liger_kernel.transformers.apply_liger_kernel_to_llama(rope, rms_norm, swiglu, ..., model)", "kernels",
            _in_source("liger_kernel.transformers.monkey_patch", "apply_liger_kernel_to_llama", params=(
-               "rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "model"))),
+               "rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "model")),
+           _at(f"{LLAMA}.apply_rotary_pos_emb", first=("q", "k"))),  # fast.kernels.rope_by_device wraps it
     _check("gguf.get_tensor_name_map, TensorNameMap.get_name(try_suffixes), quants.quantize, SpecialVocab(n_vocab)"
            ".add_to_gguf(quiet), GGUFWriter.add_tensor(raw_dtype), ReaderField.contents", COURSE,
            _at("gguf.TensorNameMap.get_name", params=("try_suffixes",)), _at("gguf.quants.quantize", first=("data",)),
