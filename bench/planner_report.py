@@ -111,7 +111,8 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
     return dict(lean="lean" not in off, fused_kernels=not off & {"kernels", "lean"},
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
                 offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off,
-                dropout_kernels=bool((ran or {}).get("dropout_kernels")))
+                dropout_kernels=bool((ran or {}).get("dropout_kernels")),
+                absmax_once=bool((ran or {}).get("absmax_once")))
 
 
 def rows():

@@ -77,6 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # forty-fifth device call: double quantization's absmax decoded once and kept in fp32 (fast.fused_lora
+        # keep_decoded_absmax), taken out again
+        run("w2048", "no-absmax-once", 8, 1, fast="absmax_once=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-absmax-once", 8, 1, fast="absmax_once=0", auto_fit=True, profile=True, steps=steps + 1),
         # thirty-eighth device call: LoRA's dropout drawn inside its rank-r products by Triton kernels, the LoRA
         # product written first and the base GEMM adding into it (fast.lora_dropout), taken out again
         run("w2048", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,

@@ -193,8 +193,10 @@ def sixteen_bit_bytes_from_config(config) -> dict:
 
 
 def _quant_state_bytes(state) -> int:
+    from nb_helpers.fast import DECODED_ABSMAX  # the fast path's fp32 copy, where it keeps one
+
     total = 0
-    for name in ("absmax", "code"):
+    for name in ("absmax", "code", DECODED_ABSMAX):
         t = getattr(state, name, None)
         if t is not None:
             total += t.numel() * t.element_size()

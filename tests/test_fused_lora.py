@@ -134,3 +134,38 @@ def test_direct_dequantize_gives_bitsandbytes_bits(dtype, quant_type, nested):
     packed, state = quantize_4bit(w, quant_type=quant_type, compress_statistics=nested)
     weight = types.SimpleNamespace(data=packed, quant_state=state)
     assert torch.equal(fused_lora._dequantize(weight, direct=True), dequantize_4bit(packed, state))
+
+
+@pytest.mark.gpu
+def test_the_absmax_kept_decoded_gives_the_same_bits_without_decoding_again(monkeypatch):
+    """keep_decoded_absmax decodes each double-quantized absmax once: later dequantizes decode nothing and give
+    bitsandbytes' own bits; a kept value on another device than its weight is decoded afresh instead of read."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit
+
+    model = torch.nn.Sequential(bnb.nn.Linear4bit(704, 1000, bias=False, compute_dtype=torch.bfloat16,
+                                                  compress_statistics=True, quant_type="nf4"),
+                                bnb.nn.Linear4bit(64, 64, bias=False, compress_statistics=False)).cuda()
+    weight, plain = model[0].weight, model[1].weight
+    assert weight.quant_state.nested and not plain.quant_state.nested
+    assert fused_lora.keep_decoded_absmax(model) == 1  # the weight without double quantization has nothing to decode
+    decoded = []
+    real = fused_lora._decoded_absmax
+    monkeypatch.setattr(fused_lora, "_decoded_absmax", lambda *a: decoded.append(1) or real(*a))
+    expected = dequantize_4bit(weight.data, weight.quant_state)
+    assert torch.equal(fused_lora._dequantize(weight, direct=True), expected) and not decoded
+    setattr(weight.quant_state, fused_lora.DECODED_ABSMAX, torch.zeros(3))  # as if the weight had moved since
+    assert torch.equal(fused_lora._dequantize(weight, direct=True), expected) and len(decoded) == 1
+
+
+def test_no_absmax_is_kept_for_weights_off_the_gpu(tiny_cfg, no_gpu):
+    """On the CPU path (bitsandbytes dequantizes there through its own code) nothing is decoded ahead or kept, and the
+    memory breakdown counts exactly the quantization constants bitsandbytes holds."""
+    from nb_helpers.models import memory_breakdown
+
+    model = _model(tiny_cfg, patched=False)
+    before = memory_breakdown(model)["quant_constants"]
+    assert fused_lora.keep_decoded_absmax(model) == 0
+    states = [m.weight.quant_state for m in model.modules() if getattr(getattr(m, "weight", None), "quant_state", None)]
+    assert states and not any(hasattr(s, fused_lora.DECODED_ABSMAX) for s in states)
+    assert memory_breakdown(model)["quant_constants"] == before

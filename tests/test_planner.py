@@ -498,3 +498,20 @@ def test_a_gpu_planned_from_a_machine_without_it_runs_the_gpu_extras(monkeypatch
     monkeypatch.setattr(dtypes, "cuda_capability", lambda: (9, 0))
     assert not plan_for_config(cfg, shape, context_gib=0.6).inputs.fused_kernels
     assert plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(7, 5)).inputs.fused_kernels
+
+
+def test_the_absmax_kept_decoded_costs_four_bytes_per_block_and_only_with_double_quant(monkeypatch, tiny_cfg):
+    """fast.fused_lora.keep_decoded_absmax keeps one fp32 per 64 weights beside the 8-bit codes: the planner counts it
+    where the lever runs (the GPU path's default), and not where it is off or there is nothing to decode."""
+    from nb_helpers.plan.planner import load_shape, plan_for_config
+
+    linear = TINYLLAMA.linear_params
+    assert plan(TINYLLAMA, PlanInput(absmax_once=True)).components["absmax_decoded"] == 4 * linear / 64
+    assert plan(TINYLLAMA, PlanInput(absmax_once=True, double_quant=False)).components["absmax_decoded"] == 0
+    assert plan(TINYLLAMA, PlanInput(absmax_once=False)).components["absmax_decoded"] == 0
+    shape = load_shape(tiny_cfg.model)
+    on = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
+    monkeypatch.setenv("NB_FASTPATH", "absmax_once=0")
+    off = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
+    assert on.inputs.absmax_once and not off.inputs.absmax_once
+    assert on.peak_bytes - off.peak_bytes == pytest.approx(4 * shape.linear_params / 64)

@@ -148,3 +148,13 @@ def test_a_real_card_is_recognised_as_the_gpu_predicted_for(monkeypatch):
 
 def test_a_whole_run_reads_in_seconds_minutes_or_hours():
     assert [st.duration(x) for x in (13.3, 600, 5000, 6240)] == ["13 s", "10 min", "83 min", "1.7 h"]
+
+
+def test_a_kept_absmax_takes_one_launch_per_dequantize_and_leaves_the_rest():
+    """fast.fused_lora.keep_decoded_absmax: each dequantize runs the weight's kernel only, not the absmax's too."""
+    shape = known_shape("tinyllama-1.1b")
+    per_call = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, absmax_once=False))
+    kept = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, absmax_once=True))
+    assert kept["dequant_launches"] * 2 == per_call["dequant_launches"] > 0
+    assert {k: v for k, v in kept.items() if k != "dequant_launches"} == \
+        {k: v for k, v in per_call.items() if k != "dequant_launches"}

@@ -21,11 +21,11 @@ config.json, summary.json and the log say ran.
 
 from __future__ import annotations
 
-from nb_helpers.fast.options import ENV_VAR, FastOptions, gpu_options, kernels_installed, options_of
+from nb_helpers.fast.options import DECODED_ABSMAX, ENV_VAR, FastOptions, gpu_options, kernels_installed, options_of
 from nb_helpers.frontend import say_once
 
-__all__ = ["ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for", "before_lora",
-           "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments", "checkpoint_kwargs",
+__all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
+           "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments", "checkpoint_kwargs",
            "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
            "reset_graphs", "add_fused_lm_head", "set_trainer_device",
            "lever_table"]
@@ -68,6 +68,11 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
             from nb_helpers.fast.lora_dropout import kernels
 
             record(model, "dropout_kernels", kernels() is not None)
+        if fast.absmax_once:
+            from nb_helpers.fast.fused_lora import keep_decoded_absmax
+
+            record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
+                   and keep_decoded_absmax(model) > 0)
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
@@ -118,6 +123,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         ran["direct_dequant"] = ran["dead_tail"] = ran["fused_block"] = ran["dropout_kernels"] = False
+        ran["absmax_once"] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

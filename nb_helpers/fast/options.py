@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, fields
 
 ENV_VAR = "NB_FASTPATH"
+DECODED_ABSMAX = "_nb_decoded_absmax"  # a QuantState's absmax decoded once to fp32 (fast.fused_lora, lever absmax_once)
 TRUE_WORDS = {"1", "true", "yes", "on", ""}
 
 
@@ -36,6 +37,8 @@ class FastOptions:
     #                           skipped where their value is thrown away (fast.fused_block); CUDA, fused_lora
     dropout_kernels: bool = True  # LoRA's dropout drawn inside its rank-r products: no dropped copy or mask written
     #                               or kept (fast.lora_dropout, Triton); CUDA, fused_lora, 16-bit inputs
+    absmax_once: bool = True  # double quantization's absmax decoded once per weight and kept in fp32, not at every
+    #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -130,4 +133,6 @@ LEVERS = {
     "dropout_kernels": ("LoRA's dropout drawn inside its rank-r products (Triton): no dropped copy or mask written",
                         "GPU busy 15.5 against 16.0 us/token at 8 x 2048 (13.1 against 13.8 without copies) and 0.33 GiB "
                         "less (2.86 against 3.19 GiB); 14.80 against 14.95 at 8 x 512"),
+    "absmax_once": ("double quantization's absmax decoded once and kept in fp32 (the base is frozen)",
+                    "not measured on a GPU yet"),
 }

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 
 from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
 from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
-from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
+from nb_helpers.plan.architecture import (ALL_LINEAR, BLOCK, QKVO, Shape, UnsupportedModel,  # noqa: F401
                                           known_families, load_shape, nf4_bytes, plan_targets)
 
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
@@ -101,6 +101,7 @@ class PlanInput:
     graphs: bool = False  # checkpointed layers as CUDA graphs (nb_helpers.fast.graphed_layers): their memory pool
     dead_tail: bool = True  # the recompute skips the product nothing reads (nb_helpers.fast.recompute): time only
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
+    absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
 
     @property
     def tokens(self) -> int:
@@ -155,6 +156,7 @@ COMPONENT_LABELS = {
     "runtime": "runtime overhead (kernels)",
     "weights_4bit": "4-bit linear weights",
     "quant_constants": "quantization constants",
+    "absmax_decoded": "absmax kept decoded (fp32)",
     "embeddings_head": "embeddings + head",
     "norms": "norms, biases",
     "cublas": "cuBLAS workspaces",
@@ -198,6 +200,7 @@ def static_bytes(shape: Shape, inp: PlanInput) -> dict[str, float]:
     c["context"] = inp.context_gib * GIB
     c["runtime"] = RUNTIME_OVERHEAD_GIB * GIB
     c["weights_4bit"], c["quant_constants"] = nf4_bytes(shape.linear_params, inp.double_quant)
+    c["absmax_decoded"] = 4 * shape.linear_params / BLOCK if inp.absmax_once and inp.double_quant else 0.0
     rb = residual_bytes(inp)  # embeddings, head and norms: compute dtype (lean) or fp32 (prepare_model_for_kbit)
     c["embeddings_head"] = float(rb * shape.embedding_params)
     c["norms"] = float(rb * (shape.norm_params + shape.bias_params))
@@ -309,7 +312,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant,
                     dead_tail=fast.skips_dead_tail(),
                     dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
-                                                                                                gpu_extras))
+                                                                                                gpu_extras),
+                    absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant)
     return plan(shape, inp, budget_gib=budget_of(cfg))
 
 

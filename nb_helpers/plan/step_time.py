@@ -8,7 +8,8 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
                  GEMMs as the bytes they read
     attention    the causal score and value products (half a square per layer; window layers a full band), with a
                  flash backward of 2.5 forwards
-    dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and a launch per layer
+    dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and two launches per GEMM (one where the
+                 double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax)
     (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
                  (liger's fused kernels touch fewer), and a fixed cost per layer pass
@@ -120,7 +121,7 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
         "dequant_bytes": 2.5 * weights_per_pass,
-        "dequant_launches": 2 * gemms,
+        "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * gemms,  # absmax decoded per call or kept
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
         "loss_elements": tokens * shape.vocab,
