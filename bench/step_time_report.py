@@ -50,7 +50,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
     return shape, PlanInput(seq=row["seq"], batch=row["batch"], accum=row["accum"], rank=row["rank"],
                             targets=targets, gradient_checkpointing=row["gc"], fused_kernels=True,
                             offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")),
-                            dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")))  # from device call 31
+                            dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")),  # from device call 31
+                            absmax_once=bool((row.get("fast_levers") or {}).get("absmax_once")))  # from call 45
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -126,7 +127,9 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 # LoRA's dropout kernels (calls 39-42), with and without
                 "throughput-call39-w2048.json": None, "throughput-call40-w512.json": None,
                 "throughput-call41-w2048.json": None, "throughput-call42-w512.json": None,
-                "throughput-call42-w2048.json": None}  # shipped rows vary in length: not here
+                "throughput-call42-w2048.json": None,
+                # the absmax kept decoded (call 45), with and without
+                "throughput-call45-w2048.json": None, "throughput-call45-w512.json": None}  # shipped rows: not here
 
 
 def throughput_rows() -> list[dict]:
@@ -205,7 +208,7 @@ def main() -> None:
     result = validate(rows)
     changed = validate(throughput_rows())["points"]
     result["changed_path"] = {"what": "issue 27's path (dead_tail) and its lever runs: bench/throughput.py's profiled "
-                              "runs of device calls 31-33, held out", "summary": error_summary(changed),
+                              "runs of device calls 31-45, held out", "summary": error_summary(changed),
                               "points": changed}
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for p in result["points"]:

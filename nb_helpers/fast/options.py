@@ -134,5 +134,6 @@ LEVERS = {
                         "GPU busy 15.5 against 16.0 us/token at 8 x 2048 (13.1 against 13.8 without copies) and 0.33 GiB "
                         "less (2.86 against 3.19 GiB); 14.80 against 14.95 at 8 x 512"),
     "absmax_once": ("double quantization's absmax decoded once and kept in fp32 (the base is frozen)",
-                    "not measured on a GPU yet"),
+                    "GPU busy 14.3 against 14.6 us/token at 8 x 2048 (62,591 against 59,990 tokens/s), 14.1 against "
+                    "14.5 at 8 x 512, for 0.06 GiB"),
 }
