@@ -91,20 +91,23 @@ def test_lora_on_the_mlp_keeps_its_layers_and_the_same_gradients(tiny_cfg):
 
 
 def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
-    """after_lora installs the blocks where the fused 4-bit layers ran, and levers_ran reports them."""
+    """after_lora installs the blocks, and keeps the decoded absmax (lever absmax_once), only where the fused 4-bit
+    layers ran, and records both."""
     from types import SimpleNamespace
 
     import nb_helpers.fast as fast
 
-    calls = []
+    calls, kept = [], []
     monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger: calls.append(liger) or True)
+    monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax", lambda model: kept.append(model) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
     cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
-    assert calls == []
+    assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True), cfg)
     assert calls == [True] and model._nb_levers["fused_block"] is True
+    assert kept == [model] and model._nb_levers["absmax_once"] is True
 
 
 @pytest.mark.gpu
