@@ -30,7 +30,8 @@ if [ -n "${NB_OFFLINE_DEVICE:-}" ]; then
            --deselect tests/test_training.py::test_embedded_model_learns_the_task
            --deselect tests/test_robustness.py::test_resumed_run_matches_an_uninterrupted_one)
 fi
-python3 -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "${offline[@]}" tests >> "$log" 2>&1
+# arguments: the test files or ids to run instead of the whole suite (the rest of one a device call's limit cut)
+python3 -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "${offline[@]}" "${@:-tests}" >> "$log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
 exit $status
