@@ -13,6 +13,7 @@ from pathlib import Path
 from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, ConfigError, RunConfig
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.environment import hub_reachable
+from nb_helpers.fast import DECODED_ABSMAX
 from nb_helpers.safety.hub import require_cached_model
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -193,10 +194,8 @@ def sixteen_bit_bytes_from_config(config) -> dict:
 
 
 def _quant_state_bytes(state) -> int:
-    from nb_helpers.fast import DECODED_ABSMAX  # the fast path's fp32 copy, where it keeps one
-
     total = 0
-    for name in ("absmax", "code", DECODED_ABSMAX):
+    for name in ("absmax", "code", DECODED_ABSMAX):  # the last: the fast path's fp32 copy, where it keeps one
         t = getattr(state, name, None)
         if t is not None:
             total += t.numel() * t.element_size()

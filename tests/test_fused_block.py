@@ -99,15 +99,16 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
 
     calls, kept = [], []
     monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger: calls.append(liger) or True)
-    monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax", lambda model: kept.append(model) or 154)
+    monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
+                        lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
-    cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False)
+    cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False, budget_gib=4.0)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
     assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True), cfg)
     assert calls == [True] and model._nb_levers["fused_block"] is True
-    assert kept == [model] and model._nb_levers["absmax_once"] is True
+    assert kept == [(model, 4.0)] and model._nb_levers["absmax_once"] is True
 
 
 @pytest.mark.gpu

@@ -515,3 +515,19 @@ def test_the_absmax_kept_decoded_costs_four_bytes_per_block_and_only_with_double
     off = plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6))
     assert on.inputs.absmax_once and not off.inputs.absmax_once
     assert on.peak_bytes - off.peak_bytes == pytest.approx(4 * shape.linear_params / 64)
+
+
+def test_the_absmax_is_kept_decoded_only_where_it_is_a_small_share_of_the_budget(tiny_cfg):
+    """At most 2% of the budget (plan.architecture.keeps_decoded_absmax): TinyLlama's 60 MiB at 4 GiB is kept, a 4B
+    model's 0.21 GiB is not; without a budget (the whole GPU) always; the planner plans what the run will keep."""
+    from nb_helpers.plan.architecture import absmax_kept_bytes, keeps_decoded_absmax
+    from nb_helpers.plan.catalog import known_shape
+    from nb_helpers.plan.planner import plan_for_config
+
+    tiny, big = known_shape("tinyllama-1.1b"), known_shape("qwen3-4b")
+    assert absmax_kept_bytes(tiny.linear_params) / 2**30 < 0.02 * 4.0 < absmax_kept_bytes(big.linear_params) / 2**30
+    assert keeps_decoded_absmax(tiny.linear_params, 4.0) and not keeps_decoded_absmax(big.linear_params, 4.0)
+    assert keeps_decoded_absmax(big.linear_params, None) and keeps_decoded_absmax(big.linear_params, 16.0)
+    cfg = tiny_cfg.replace(budget_gib=4.0)
+    assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] > 0
+    assert plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] == 0

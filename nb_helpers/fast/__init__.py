@@ -25,8 +25,8 @@ from nb_helpers.fast.options import DECODED_ABSMAX, ENV_VAR, FastOptions, gpu_op
 from nb_helpers.frontend import say_once
 
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
-           "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments", "checkpoint_kwargs",
-           "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
+           "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
+           "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
            "reset_graphs", "add_fused_lm_head", "set_trainer_device",
            "lever_table"]
 
@@ -70,9 +70,10 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
             record(model, "dropout_kernels", kernels() is not None)
         if fast.absmax_once:
             from nb_helpers.fast.fused_lora import keep_decoded_absmax
+            from nb_helpers.plan.cards import budget_of
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
-                   and keep_decoded_absmax(model) > 0)
+                   and keep_decoded_absmax(model, budget_of(cfg)) > 0)
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 

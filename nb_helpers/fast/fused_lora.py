@@ -66,26 +66,32 @@ def _decoded_absmax(state, absmax_kernel, stream):
     return scales.add_(state.offset)
 
 
-def keep_decoded_absmax(model) -> int:
+def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
     """Decode each double-quantized weight's absmax once and keep it in fp32 beside the 8-bit codes: the base is
     frozen, so every dequantize would decode the same values again (two kernels each, 440 times a step on TinyLlama).
-    Costs 4 bytes per 64 weights (60 MiB on TinyLlama-1.1B; the planner counts it). Done here, before any CUDA graph
-    is captured, never lazily: a value first written inside a capture would not exist outside it. Returns how many
-    weights keep one (0 without bitsandbytes' kernels reachable directly)."""
+    Costs 4 bytes per 64 weights (60 MiB on TinyLlama-1.1B; the planner counts it), kept only where that is a small
+    share of the budget (plan.architecture.keeps_decoded_absmax). Done here, before any CUDA graph is captured, never
+    lazily: a value first written inside a capture would not exist outside it. Returns how many weights keep one (0
+    without bitsandbytes' kernels reachable directly, or over the share)."""
     import bitsandbytes as bnb
 
+    from nb_helpers.plan.architecture import absmax_kept_bytes, keeps_decoded_absmax
+
     kernels = _direct_kernels()
-    if kernels is None:
+    states = [m.weight.quant_state for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+              and getattr(m.weight, "quant_state", None) is not None and m.weight.quant_state.nested
+              and m.weight.quant_state.absmax.is_cuda]
+    if kernels is None or not states:
         return 0
-    kept = 0
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if isinstance(module, bnb.nn.Linear4bit) and state is not None and state.nested and state.absmax.is_cuda:
-            with torch.cuda.device(state.absmax.device):
-                stream = kernels[2](state.absmax.device.index)
-                setattr(state, DECODED_ABSMAX, _decoded_absmax(state, kernels[0], stream))
-            kept += 1
-    return kept
+    weights = sum(state.shape.numel() for state in states)
+    if not keeps_decoded_absmax(weights, budget_gib):
+        say_once("absmax-once", f"[fast] absmax_once off: its {absmax_kept_bytes(weights) / 2**20:.0f} MiB would be "
+                                f"over 2% of the {budget_gib:.2f} GiB budget (each dequantize decodes it instead)")
+        return 0
+    for state in states:
+        with torch.cuda.device(state.absmax.device):
+            setattr(state, DECODED_ABSMAX, _decoded_absmax(state, kernels[0], kernels[2](state.absmax.device.index)))
+    return len(states)
 
 
 def frozen_linear(x, weight, bias=None, direct: bool = False):

@@ -200,6 +200,22 @@ def _bias_layers(family: Family, config) -> tuple[str, ...]:
     return tuple(names)
 
 
+# The fast path keeps double quantization's absmax decoded in fp32 (4 bytes per 64 weights) only where that costs at
+# most this share of the run's budget: TinyLlama's 60 MiB is 1.4% of 4 GiB; a 4B model's 0.21 GiB would be 5%, memory
+# a 4 GB card needs more than the 3% of GPU time it buys (bench/NOTES.md, call 45)
+ABSMAX_KEPT_SHARE = 0.02
+
+
+def absmax_kept_bytes(linear_params: int) -> float:
+    return 4 * linear_params / BLOCK
+
+
+def keeps_decoded_absmax(linear_params: int, budget_gib: float | None) -> bool:
+    """Whether the fast path keeps the decoded absmax (fast.fused_lora.keep_decoded_absmax) under this budget (None:
+    the whole GPU, no cap)."""
+    return budget_gib is None or absmax_kept_bytes(linear_params) <= ABSMAX_KEPT_SHARE * budget_gib * 2**30
+
+
 def nf4_bytes(linear_params: int, double_quant: bool = True) -> tuple[float, float]:
     """(packed weights, quantization constants) of NF4 weights: half a byte per weight, plus one absmax per 64
     weights: fp32 (4/64 byte per weight), or with double quant 8-bit (1/64) plus one fp32 per 256 of them."""

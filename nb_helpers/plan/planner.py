@@ -59,8 +59,9 @@ from dataclasses import asdict, dataclass, field
 
 from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
 from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
-from nb_helpers.plan.architecture import (ALL_LINEAR, BLOCK, QKVO, Shape, UnsupportedModel,  # noqa: F401
-                                          known_families, load_shape, nf4_bytes, plan_targets)
+from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
+                                          absmax_kept_bytes, keeps_decoded_absmax, known_families, load_shape,
+                                          nf4_bytes, plan_targets)
 
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
 RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H200 measurement, planner grid
@@ -200,7 +201,7 @@ def static_bytes(shape: Shape, inp: PlanInput) -> dict[str, float]:
     c["context"] = inp.context_gib * GIB
     c["runtime"] = RUNTIME_OVERHEAD_GIB * GIB
     c["weights_4bit"], c["quant_constants"] = nf4_bytes(shape.linear_params, inp.double_quant)
-    c["absmax_decoded"] = 4 * shape.linear_params / BLOCK if inp.absmax_once and inp.double_quant else 0.0
+    c["absmax_decoded"] = absmax_kept_bytes(shape.linear_params) if inp.absmax_once and inp.double_quant else 0.0
     rb = residual_bytes(inp)  # embeddings, head and norms: compute dtype (lean) or fp32 (prepare_model_for_kbit)
     c["embeddings_head"] = float(rb * shape.embedding_params)
     c["norms"] = float(rb * (shape.norm_params + shape.bias_params))
@@ -313,7 +314,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     dead_tail=fast.skips_dead_tail(),
                     dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
                                                                                                 gpu_extras),
-                    absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant)
+                    absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
+                    and keeps_decoded_absmax(shape.linear_params, budget_of(cfg)))
     return plan(shape, inp, budget_gib=budget_of(cfg))
 
 

@@ -274,7 +274,8 @@ class PlanView:
             if self.shape is None:
                 raise ValueError(self.shape_error or "no model shape: pass load_shape(model path)")
             card = run_card(cfg)  # a named card brings its own capability and context
-            planned = plan_for_config(cfg, self.shape, context_gib=None if card else self.context_gib,
+            planned = plan_for_config(cfg.replace(budget_gib=budget), self.shape,  # levers hang on the budget shown
+                                      context_gib=None if card else self.context_gib,
                                       gpu_capability=None if card else self.capability or (7, 5))
             result = graphs_dropped_unless_they_fit(planned, budget)  # what a run on that card would use
         except Exception as e:  # noqa: BLE001 - a widget callback must not raise; say why instead
