@@ -169,3 +169,30 @@ def test_no_absmax_is_kept_for_weights_off_the_gpu(tiny_cfg, no_gpu):
     states = [m.weight.quant_state for m in model.modules() if getattr(getattr(m, "weight", None), "quant_state", None)]
     assert states and not any(hasattr(s, fused_lora.DECODED_ABSMAX) for s in states)
     assert memory_breakdown(model)["quant_constants"] == before
+
+
+def test_the_absmax_is_not_kept_over_its_share_of_the_budget_and_that_is_said_once(tiny_cfg, no_gpu, monkeypatch,
+                                                                                    capsys):
+    """keep_decoded_absmax's decision, with the GPU's parts stood in for (the tiny model's double-quantized weights
+    live on the CPU here): over 2% of the budget nothing is decoded or kept and one line says so; without a budget
+    every weight keeps its decoded absmax."""
+    from nb_helpers import frontend
+
+    model = _model(tiny_cfg, patched=False)
+    states = [m.weight.quant_state for m in model.modules()
+              if getattr(getattr(m, "weight", None), "quant_state", None) is not None]
+    assert states and all(s.nested for s in states)
+    weights = sum(s.shape.numel() for s in states)
+    monkeypatch.setattr(frontend, "_SAID", set())
+    monkeypatch.setattr(fused_lora, "_direct_kernels", lambda: (None, {}, lambda index: None))
+    monkeypatch.setattr(fused_lora, "_double_quantized_on_gpu", lambda model: states)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    decoded = []
+    monkeypatch.setattr(fused_lora, "_decoded_absmax", lambda state, *a: decoded.append(state) or torch.zeros(1))
+    too_small = 0.5 * (4 * weights / 64) / 0.02 / 2**30  # a budget twice too small for the share
+    assert fused_lora.keep_decoded_absmax(model, too_small) == 0
+    assert fused_lora.keep_decoded_absmax(model, too_small) == 0
+    assert decoded == [] and not any(hasattr(s, fused_lora.DECODED_ABSMAX) for s in states)
+    assert capsys.readouterr().out.count("absmax_once off") == 1
+    assert fused_lora.keep_decoded_absmax(model, None) == len(states) == len(decoded)
+    assert all(hasattr(s, fused_lora.DECODED_ABSMAX) for s in states)

@@ -26,9 +26,8 @@ from nb_helpers.frontend import say_once
 
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
-           "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload", "out_of_memory_raises",
-           "reset_graphs", "add_fused_lm_head", "set_trainer_device",
-           "lever_table"]
+           "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
+           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table"]
 
 
 def options_for(cfg) -> FastOptions:

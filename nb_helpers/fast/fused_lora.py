@@ -73,25 +73,28 @@ def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
     share of the budget (plan.architecture.keeps_decoded_absmax). Done here, before any CUDA graph is captured, never
     lazily: a value first written inside a capture would not exist outside it. Returns how many weights keep one (0
     without bitsandbytes' kernels reachable directly, or over the share)."""
-    import bitsandbytes as bnb
+    from nb_helpers.plan.architecture import ABSMAX_KEPT_SHARE, absmax_kept_bytes, keeps_decoded_absmax
 
-    from nb_helpers.plan.architecture import absmax_kept_bytes, keeps_decoded_absmax
-
-    kernels = _direct_kernels()
-    states = [m.weight.quant_state for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-              and getattr(m.weight, "quant_state", None) is not None and m.weight.quant_state.nested
-              and m.weight.quant_state.absmax.is_cuda]
+    kernels, states = _direct_kernels(), _double_quantized_on_gpu(model)
     if kernels is None or not states:
         return 0
     weights = sum(state.shape.numel() for state in states)
     if not keeps_decoded_absmax(weights, budget_gib):
         say_once("absmax-once", f"[fast] absmax_once off: its {absmax_kept_bytes(weights) / 2**20:.0f} MiB would be "
-                                f"over 2% of the {budget_gib:.2f} GiB budget (each dequantize decodes it instead)")
+                                f"over {ABSMAX_KEPT_SHARE:.0%} of the {budget_gib:.2f} GiB budget (each dequantize "
+                                "decodes it instead)")
         return 0
     for state in states:
         with torch.cuda.device(state.absmax.device):
             setattr(state, DECODED_ABSMAX, _decoded_absmax(state, kernels[0], kernels[2](state.absmax.device.index)))
     return len(states)
+
+
+def _double_quantized_on_gpu(model) -> list:
+    import bitsandbytes as bnb
+
+    states = [getattr(m.weight, "quant_state", None) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    return [state for state in states if state is not None and state.nested and state.absmax.is_cuda]
 
 
 def frozen_linear(x, weight, bias=None, direct: bool = False):
