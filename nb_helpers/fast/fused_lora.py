@@ -69,7 +69,7 @@ def _decoded_absmax(state, absmax_kernel, stream):
 def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
     """Decode each double-quantized weight's absmax once and keep it in fp32 beside the 8-bit codes: the base is
     frozen, so every dequantize would decode the same values again (two kernels each, 440 times a step on TinyLlama).
-    Costs 4 bytes per 64 weights (60 MiB on TinyLlama-1.1B; the planner counts it), kept only where that is a small
+    Costs 4 bytes per 64 weights (58 MiB on TinyLlama-1.1B; the planner counts it), kept only where that is a small
     share of the budget (plan.architecture.keeps_decoded_absmax). Done here, before any CUDA graph is captured, never
     lazily: a value first written inside a capture would not exist outside it. Returns how many weights keep one (0
     without bitsandbytes' kernels reachable directly, or over the share)."""
