@@ -136,7 +136,8 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     from nb_helpers.plan.catalog import known_shapes, plan_for_family
 
     family_cell.locator(".widget-dropdown select").select_option(label=f"qwen3-4b: {known_shapes()['qwen3-4b']}")
-    recipe = RunConfig(lora_r=16, lora_alpha=32, lora_dropout=ci_config().lora_dropout)  # the GPU recipe, r=16 chosen
+    # the GPU recipe, r=16 chosen, on the notebook's card: the widget plans for that card's budget
+    recipe = RunConfig(lora_r=16, lora_alpha=32, lora_dropout=ci_config().lora_dropout, card="gtx1650")
     expected = plan_for_family(recipe, "qwen3-4b").peak_gib
     expect(family_cell.locator(".widget-html", has_text="predicted peak")).to_contain_text(
         f"predicted peak {expected:.2f} GiB")
