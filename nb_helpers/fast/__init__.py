@@ -122,8 +122,8 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
-        ran["direct_dequant"] = ran["dead_tail"] = ran["fused_block"] = ran["dropout_kernels"] = False
-        ran["absmax_once"] = False
+        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once"):
+            ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)
     return ran

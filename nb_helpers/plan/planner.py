@@ -301,6 +301,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
     from nb_helpers.fast import gpu_options
 
     fast = gpu_options(cfg.fast_path)  # the GPU path's levers, as cfg.fast_path and NB_FASTPATH leave them
+    budget = budget_of(cfg)
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
                     targets=tuple(cfg.target_modules), gradient_checkpointing=cfg.gradient_checkpointing,
                     optim=cfg.optim, compute_dtype=dtype, double_quant=cfg.double_quant,
@@ -315,8 +316,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
                                                                                                 gpu_extras),
                     absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
-                    and keeps_decoded_absmax(shape.linear_params, budget_of(cfg)))
-    return plan(shape, inp, budget_gib=budget_of(cfg))
+                    and keeps_decoded_absmax(shape.linear_params, budget))
+    return plan(shape, inp, budget_gib=budget)
 
 
 _CONTEXT_CACHE: dict[int, float] = {}
