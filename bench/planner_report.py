@@ -115,7 +115,8 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
                 nomask=not off & {"nomask", "lean"}, expandable=expandable_default and "expandable" not in off,
                 offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off,
                 dropout_kernels=bool((ran or {}).get("dropout_kernels")),
-                absmax_once=bool((ran or {}).get("absmax_once")))
+                absmax_once=bool((ran or {}).get("absmax_once")),
+                keep_dequantized=bool((ran or {}).get("keep_dequantized")))
 
 
 def rows():

@@ -531,3 +531,26 @@ def test_the_absmax_is_kept_decoded_only_where_it_is_a_small_share_of_the_budget
     cfg = tiny_cfg.replace(budget_gib=4.0)
     assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] > 0
     assert plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] == 0
+
+
+def test_the_recompute_s_kept_weights_are_counted_in_the_layer_s_backward(monkeypatch, tiny_cfg):
+    """Lever keep_dequantized: the last layer's backward holds the weights its recompute dequantized (16-bit, all but
+    the dead down projection), on top of the one dequantized at a time; only with checkpointing; the lever's switch
+    reaches the planner."""
+    from nb_helpers.plan.planner import load_shape, plan_for_config
+
+    h, i, kv = TINYLLAMA.hidden, TINYLLAMA.intermediate, TINYLLAMA.kv_heads * TINYLLAMA.head_dim
+    recomputed = 2 * h * h + 2 * h * kv + 2 * h * i
+    from nb_helpers.plan.activations import peak_phases
+
+    phase = "the last layer's backward"
+    on, off = (peak_phases(TINYLLAMA, PlanInput(seq=512, batch=8, keep_dequantized=keep), padded=True)[0][phase]
+               for keep in (True, False))
+    assert on["backward_transient"] - off["backward_transient"] == 2 * recomputed
+    no_gc = [plan(TINYLLAMA, PlanInput(seq=512, batch=8, gradient_checkpointing=False, keep_dequantized=keep))
+             for keep in (True, False)]
+    assert no_gc[0].peak_bytes == no_gc[1].peak_bytes
+    shape = load_shape(tiny_cfg.model)
+    assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0")
+    assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized

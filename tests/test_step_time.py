@@ -158,3 +158,20 @@ def test_a_kept_absmax_takes_one_launch_per_dequantize_and_leaves_the_rest():
     assert kept["dequant_launches"] * 2 == per_call["dequant_launches"] > 0
     assert {k: v for k, v in kept.items() if k != "dequant_launches"} == \
         {k: v for k, v in per_call.items() if k != "dequant_launches"}
+
+
+def test_kept_weights_leave_out_the_backward_s_dequantize_of_what_the_recompute_made():
+    """Lever keep_dequantized: with checkpointing the backward reuses each weight the recompute dequantized (all but
+    TinyLlama's dead down projection), so those dequantizes go; without checkpointing nothing changes."""
+    shape = known_shape("tinyllama-1.1b")
+    again = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, keep_dequantized=False))
+    kept = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, keep_dequantized=True))
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
+    recomputed = 2 * h * h + 2 * h * kv + 2 * h * i  # q, o; k, v; gate, up
+    assert again["dequant_bytes"] - kept["dequant_bytes"] == pytest.approx(2.5 * recomputed * shape.layers)
+    assert again["dequant_launches"] - kept["dequant_launches"] == 2 * 6 * shape.layers  # two launches each
+    assert {k: v for k, v in kept.items() if not k.startswith("dequant")} == \
+        {k: v for k, v in again.items() if not k.startswith("dequant")}
+    no_gc = [st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, gradient_checkpointing=False,
+                                                     keep_dequantized=keep)) for keep in (False, True)]
+    assert no_gc[0] == no_gc[1]

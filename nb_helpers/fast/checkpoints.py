@@ -50,13 +50,14 @@ def tail_lever_on(model=None) -> bool:
 
 def set_checkpoint_offload(model, offload: bool) -> None:
     """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
-    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on)."""
+    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
+    it, keeping its dequantized weights for the backward (lever keep_dequantized, fast.recompute.keeps_weights)."""
     from torch.utils.checkpoint import checkpoint
 
-    graphs, tail = graphs_on(model), tail_lever_on(model)
+    graphs, tail, keep = graphs_on(model), tail_lever_on(model), options_of(model).keep_dequantized
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     for layer in compat.checkpointed_layers(model):
-        recompute.mark(layer, tail)
+        recompute.mark(layer, tail, keep)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)

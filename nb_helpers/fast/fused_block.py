@@ -24,7 +24,7 @@ import types
 import torch
 
 from nb_helpers.fast import recompute
-from nb_helpers.fast.fused_lora import _dequantize, frozen_linear
+from nb_helpers.fast.fused_lora import _dequantize, _weight_for_backward, frozen_linear
 
 
 def _swiglu(gate, up, liger: bool):
@@ -48,37 +48,46 @@ def _swiglu_backward(gate, up, grad, liger: bool):
             (grad32 * gate32 * sigmoid).to(up.dtype))
 
 
-def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False):
-    """(the MLP's output, gate's output, up's output). Called directly under no_grad (a checkpoint's first forward,
-    evaluation): the same kernels without an autograd function to set up."""
-    gate_out, up_out = frozen_linear(x, gate, direct=direct), frozen_linear(x, up, direct=direct)
+def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep: bool = False):
+    """(the MLP's output, gate's output, up's output, gate's and up's dequantized weights where `keep`, else Nones).
+    Called directly under no_grad (a checkpoint's first forward, evaluation): the same kernels without an autograd
+    function to set up."""
+    kept = []
+    for weight in (gate, up):  # without `keep` each dequantized weight is freed before the next one is made
+        dequantized = _dequantize(weight, direct).to(x.dtype)
+        kept.append((torch.nn.functional.linear(x, dequantized), dequantized if keep else None))
+        del dequantized
+    (gate_out, gate_w), (up_out, up_w) = kept
     if dead:
-        return gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0]), gate_out, up_out
-    return frozen_linear(_swiglu(gate_out, up_out, liger), down, direct=direct), gate_out, up_out
+        out = gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0])
+    else:
+        out = frozen_linear(_swiglu(gate_out, up_out, liger), down, direct=direct)
+    return out, gate_out, up_out, (gate_w, up_w)
 
 
 class FrozenMLP4bit(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)), the three weights NF4 and frozen: x's gradient only. `dead`: the output is read by
-    nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed."""
+    nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed. In a recompute
+    gate's and up's dequantized weights are kept for the backward (fast.recompute.keeps_weights)."""
 
     @staticmethod
     def forward(ctx, x, gate, up, down, direct: bool, liger: bool, dead: bool):
-        out, gate_out, up_out = _mlp(x, gate, up, down, direct, liger, dead)
-        ctx.save_for_backward(gate_out, up_out)
+        out, gate_out, up_out, weights = _mlp(x, gate, up, down, direct, liger, dead, recompute.keeps_weights())
+        ctx.save_for_backward(gate_out, up_out, *weights)
         ctx.weights, ctx.direct, ctx.liger = (gate, up, down), direct, liger
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate_out, up_out = ctx.saved_tensors
+        gate_out, up_out, gate_kept, up_kept = ctx.saved_tensors
         gate, up, down = ctx.weights
         grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_act = grad @ _dequantize(down, ctx.direct).to(grad.dtype)  # one weight dequantized at a time
         grad_gate, grad_up = _swiglu_backward(gate_out.view(grad.shape[0], -1), up_out.view(grad.shape[0], -1),
                                               grad_act, ctx.liger)
         del grad_act
-        grad_x = grad_gate @ _dequantize(gate, ctx.direct).to(grad.dtype)
-        grad_x.addmm_(grad_up, _dequantize(up, ctx.direct).to(grad.dtype))  # up's share inside the GEMM: no add
+        grad_x = grad_gate @ _weight_for_backward(gate_kept, gate, ctx.direct, grad.dtype)
+        grad_x.addmm_(grad_up, _weight_for_backward(up_kept, up, ctx.direct, grad.dtype))  # up's share in the GEMM
         return grad_x.view(*grad_out.shape[:-1], -1), None, None, None, None, None, None
 
 

@@ -131,19 +131,20 @@ def _probe_kernels():
 
 
 def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False,
-                 dropout_kernels: bool = False):
+                 dropout_kernels: bool = False, keep: bool = False):
     """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
     evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws. `dead`: the
     output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it.
     `dropout_kernels`: the dropout is drawn inside the rank-r products (fast.lora_dropout), from a seed the backward
-    keeps instead of a dropped copy and a mask."""
+    keeps instead of a dropped copy and a mask. `keep`: the dequantized weight is saved for the backward too."""
     flat = x.reshape(-1, x.shape[-1])
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+    base = None if dead else _dequantize(weight, direct).to(x.dtype)
     if dropout_p > 0 and dropout_kernels and lora_dropout.usable(flat, a, b.shape[0]):
         seed = lora_dropout.draw_seed(flat.device)
         down, out = lora_dropout.dropped_down(flat, a, b, seed, dropout_p, scaling, write_out=not dead)
         if not dead:  # LoRA's share first: the base GEMM adds into it (beta=1), no separate pass over the output
-            out.addmm_(flat, _dequantize(weight, direct).to(x.dtype).t())
+            out.addmm_(flat, base.t())
             if bias is not None:
                 out.add_(bias.to(x.dtype))
         saved = (flat, down, None, a, b, seed)  # the input itself, no copy: the backward redraws the mask
@@ -151,12 +152,12 @@ def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: flo
         dropped, mask = torch.native_dropout(flat, dropout_p, True) if dropout_p > 0 else (flat, None)
         down = dropped @ a.t()
         if not dead:
-            out = frozen_linear(flat, weight, bias, direct)
+            out = torch.nn.functional.linear(flat, base, None if bias is None else bias.to(x.dtype))
             out.addmm_(down, b.t(), alpha=scaling)
         saved = (dropped, down, mask, a, b, None)
     if dead:
         out = down.new_zeros(flat.shape[0], b.shape[0])
-    return out.view(*x.shape[:-1], out.shape[-1]), saved
+    return out.view(*x.shape[:-1], out.shape[-1]), saved + (base if keep else None,)
 
 
 class LoRA4bitLinear(torch.autograd.Function):
@@ -165,7 +166,8 @@ class LoRA4bitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False,
                 dead: bool = False, dropout_kernels: bool = False):
-        out, saved = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct, dead, dropout_kernels)
+        out, saved = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct, dead, dropout_kernels,
+                                  keep=recompute.keeps_weights())
         ctx.save_for_backward(*saved)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -173,7 +175,7 @@ class LoRA4bitLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        dropped, down, mask, a, b, seed = ctx.saved_tensors
+        dropped, down, mask, a, b, seed, kept = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
         grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
         grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
@@ -184,27 +186,37 @@ class LoRA4bitLinear(torch.autograd.Function):
             grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add
             if mask is not None:
                 grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
-        grad_x.addmm_(grad, _dequantize(ctx.weight, ctx.direct).to(grad.dtype))
+        grad_x.addmm_(grad, _weight_for_backward(kept, ctx.weight, ctx.direct, grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
                 grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None)
 
 
+def _weight_for_backward(kept, weight, direct: bool, dtype):
+    """The weight the forward kept (fast.recompute.keeps_weights), else dequantized again."""
+    return (kept if kept is not None else _dequantize(weight, direct)).to(dtype)
+
+
 class Frozen4bitLinear(torch.autograd.Function):
-    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed). `dead`: the
-    output is read by nothing (fast.recompute): zeros stand for it, and the backward is the same."""
+    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed), unless the
+    forward kept it (fast.recompute.keeps_weights). `dead`: the output is read by nothing (fast.recompute): zeros stand
+    for it, and the backward is the same."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, direct: bool = False, dead: bool = False):
         ctx.weight, ctx.direct = weight, direct
         if dead:
+            ctx.save_for_backward(None)
             kind = x.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
             return x.new_zeros(*x.shape[:-1], weight.quant_state.shape[0], dtype=dtype)
-        return frozen_linear(x, weight, bias, direct)
+        base = _dequantize(weight, direct).to(x.dtype)
+        ctx.save_for_backward(base if recompute.keeps_weights() else None)
+        return torch.nn.functional.linear(x, base, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out @ _dequantize(ctx.weight, ctx.direct).to(grad_out.dtype), None, None, None, None
+        weight = _weight_for_backward(ctx.saved_tensors[0], ctx.weight, ctx.direct, grad_out.dtype)
+        return grad_out @ weight, None, None, None, None
 
 
 def _lora_forward(self, x, *args, **kwargs):

@@ -39,6 +39,10 @@ class FastOptions:
     #                               or kept (fast.lora_dropout, Triton); CUDA, fused_lora, 16-bit inputs
     absmax_once: bool = True  # double quantization's absmax decoded once per weight and kept in fp32, not at every
     #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
+    keep_dequantized: bool = True  # a checkpointed layer's recompute keeps the weights it dequantizes for its own
+    #                                backward, which follows at once (fast.recompute.keeps_weights); with dead_tail
+    loader_worker: bool = True  # the next batch collated in one DataLoader worker process while the GPU trains, not
+    #                             by the main process between steps (fast.loader_args); CUDA, Linux (forked)
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -136,4 +140,8 @@ LEVERS = {
     "absmax_once": ("double quantization's absmax decoded once and kept in fp32 (the base is frozen)",
                     "GPU busy 14.3 against 14.6 us/token at 8 x 2048 (62,591 against 59,990 tokens/s), 14.1 against "
                     "14.5 at 8 x 512, for 0.06 GiB"),
+    "keep_dequantized": ("the recompute's dequantized weights kept for the layer's backward, not dequantized again",
+                         "not measured yet"),
+    "loader_worker": ("the next batch collated in a DataLoader worker process while the GPU trains",
+                      "not measured yet"),
 }

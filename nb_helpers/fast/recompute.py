@@ -25,6 +25,7 @@ _ACTIVE: list = []  # the recomputes running now, innermost last (the autograd t
 class _Recompute:
     def __init__(self, layer):
         self.skip = getattr(layer, "_nb_dead_tail", None)  # the dead module; False: none; None: not probed yet
+        self.keep_weights = getattr(layer, "_nb_keep_weights", False)
         self.probing = self.skip is None
         self.last = None  # the last 4-bit linear layer that returned
         self.saved_after_last = False
@@ -34,6 +35,13 @@ def is_dead(module) -> bool:
     """Whether a fused 4-bit layer may skip its product: this is the recompute of its decoder layer, and the probe
     found its output read by nothing."""
     return bool(_ACTIVE) and _ACTIVE[-1].skip is module
+
+
+def keeps_weights() -> bool:
+    """Whether a fused 4-bit layer keeps the weight it dequantized for its backward (lever keep_dequantized): this is
+    a recompute, whose backward runs right after it, so one layer's weights are held at a time, where without the
+    lever the backward dequantizes each again. Never in a forward without checkpointing: that would hold every layer's."""
+    return bool(_ACTIVE) and _ACTIVE[-1].keep_weights
 
 
 def returned(module) -> None:
@@ -69,9 +77,10 @@ def recomputing(layer):
         _ACTIVE.pop()
 
 
-def mark(layer, on: bool) -> None:
-    """Switch the lever for one decoder layer; switching it (back) on probes again at the next recompute."""
-    layer._nb_tail_lever = bool(on)
+def mark(layer, on: bool, keep_weights: bool = False) -> None:
+    """Switch the lever for one decoder layer; switching it (back) on probes again at the next recompute.
+    `keep_weights`: its recompute also keeps the dequantized weights for the backward (keeps_weights)."""
+    layer._nb_tail_lever, layer._nb_keep_weights = bool(on), bool(on and keep_weights)
     layer._nb_dead_tail = None
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nb_helpers.plan.architecture import Shape, plan_targets
+from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_params
 
 if TYPE_CHECKING:
     from nb_helpers.plan.planner import PlanInput
@@ -169,9 +169,11 @@ def layer_backward_bytes(shape: Shape, inp: PlanInput, per_layer: float) -> tupl
     h, i, T = shape.hidden, shape.intermediate, inp.tokens
     rb = residual_bytes(inp)
     graphs = 0.0
+    # one dequantized 16-bit weight at a time; with keep_dequantized the recompute's stay until the layer's backward
+    kept = recomputed_params(shape, inp)[0] if inp.gradient_checkpointing and inp.keep_dequantized else 0
     layer_backward = {"layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
                       "backward_transient": 2 * rb * i * T + 2 * rb * h * T
-                      + 2 * max(a * b for a, b in shape.linear_dims().values())}
+                      + 2 * max(a * b for a, b in shape.linear_dims().values()) + DTYPE_BYTES[inp.compute_dtype] * kept}
     if inp.graphs and inp.gradient_checkpointing:
         # One memory pool holds a layer's recompute and backward for every graph, all the time; the layers share
         # buffers for their inputs and outputs (two hidden states). Only the gradients copied out of the pool are

@@ -206,6 +206,18 @@ def _bias_layers(family: Family, config) -> tuple[str, ...]:
 ABSMAX_KEPT_SHARE = 0.02
 
 
+def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
+    """4-bit weights and GEMMs per decoder layer that the recompute multiplies by. With the dead_tail lever the MLP's
+    down projection is left out where the layer saves nothing after it: two norms per layer (Llama, Mistral, Qwen,
+    Phi, SmolLM3); Gemma's norm after the MLP reads it. fast.recompute finds this on the model itself."""
+    dims = shape.linear_dims()
+    per_layer = shape.linear_params // shape.layers
+    if getattr(inp, "dead_tail", False) and shape.norms_per_layer == 2:
+        skipped_in, skipped_out = dims["down_proj"]
+        return per_layer - skipped_in * skipped_out, len(dims) - 1
+    return per_layer, len(dims)
+
+
 def absmax_kept_bytes(linear_params: int) -> float:
     return 4 * linear_params / BLOCK
 

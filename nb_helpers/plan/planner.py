@@ -103,6 +103,7 @@ class PlanInput:
     dead_tail: bool = True  # the recompute skips the product nothing reads (nb_helpers.fast.recompute): time only
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
     absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
+    keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
 
     @property
     def tokens(self) -> int:
@@ -316,7 +317,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
                                                                                                 gpu_extras),
                     absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
-                    and keeps_decoded_absmax(shape.linear_params, budget))
+                    and keeps_decoded_absmax(shape.linear_params, budget),
+                    keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail())
     return plan(shape, inp, budget_gib=budget)
 
 

@@ -9,7 +9,8 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
     attention    the causal score and value products (half a square per layer; window layers a full band), with a
                  flash backward of 2.5 forwards
     dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and two launches per GEMM (one where the
-                 double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax)
+                 double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax); the backward reuses
+                 the recompute's weights where they are kept (fast.recompute.keeps_weights)
     (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
                  (liger's fused kernels touch fewer), and a fixed cost per layer pass
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nb_helpers.plan.activations import fused_kernels_apply
-from nb_helpers.plan.architecture import Shape, plan_targets
+from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_params
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
 # pinned memory measured 57 GB/s in bench/results/throughput.json)
@@ -86,18 +87,6 @@ class StepTime:
                 f"GPU busy {self.gpu_busy_s:.2f} s, host {self.host_s:.2f} s)")
 
 
-def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
-    """4-bit weights and GEMMs per decoder layer that the recompute multiplies by. With the dead_tail lever the MLP's
-    down projection is left out where the layer saves nothing after it: two norms per layer (Llama, Mistral, Qwen,
-    Phi, SmolLM3); Gemma's norm after the MLP reads it. fast.recompute finds this on the model itself."""
-    dims = shape.linear_dims()
-    per_layer = shape.linear_params // shape.layers
-    if getattr(inp, "dead_tail", False) and shape.norms_per_layer == 2:
-        skipped_in, skipped_out = dims["down_proj"]
-        return per_layer - skipped_in * skipped_out, len(dims) - 1
-    return per_layer, len(dims)
-
-
 def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     """The units of GPU_SECONDS one micro-step of this plan does."""
     batch, seq, gc, layers = inp.batch, inp.seq, int(inp.gradient_checkpointing), shape.layers
@@ -105,6 +94,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     recomputed, recomputed_gemms = recomputed_params(shape, inp)
     weights_per_pass = shape.linear_params * 2 + gc * recomputed * layers  # forward, backward, the recompute
     gemms = layers * (len(dims) * 2 + gc * recomputed_gemms)
+    kept = gc and getattr(inp, "keep_dequantized", False)  # the backward reuses the recompute's dequantized weights
+    dequantized, dequantizes = weights_per_pass - kept * recomputed * layers, gemms - kept * recomputed_gemms * layers
     targets = plan_targets(shape, inp.targets)
     lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
     forward_attention = 2 * 2 * batch * shape.heads * shape.head_dim * seq  # times the keys each query sees
@@ -120,8 +111,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
-        "dequant_bytes": 2.5 * weights_per_pass,
-        "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * gemms,  # absmax decoded per call or kept
+        "dequant_bytes": 2.5 * dequantized,
+        "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * dequantizes,  # absmax per call or kept
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
         "loss_elements": tokens * shape.vocab,
