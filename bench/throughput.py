@@ -78,13 +78,11 @@ def lever_runs(steps: int) -> list[dict]:
 
     return [
         # forty-ninth device call: the recompute's dequantized weights kept for the layer's backward (fast.recompute
-        # keeps_weights), and the next batch collated by a DataLoader worker (fast.loader_args), each taken out again
+        # keeps_weights), taken out again
         run("w2048", "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
             steps=steps + 1),
         run("w512", "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
             steps=steps + 1),
-        run("w2048", "no-loader-worker", 8, 1, fast="loader_worker=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-loader-worker", 8, 1, fast="loader_worker=0", auto_fit=True, profile=True, steps=steps + 1),
         # forty-fifth device call: double quantization's absmax decoded once and kept in fp32 (fast.fused_lora
         # keep_decoded_absmax), taken out again
         run("w2048", "no-absmax-once", 8, 1, fast="absmax_once=0", auto_fit=True, profile=True, steps=steps + 1),

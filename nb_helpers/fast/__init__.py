@@ -27,8 +27,7 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table",
-           "loader_args"]
+           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -99,21 +98,6 @@ def adapt_trainer(trainer, model) -> None:
         install_on_trainer(trainer)
 
 
-def loader_args(model) -> dict:
-    """The Trainer's DataLoader workers for this run: one, kept for the whole run, where the lever is on, on CUDA under
-    Linux; else none, and the main process collates. Between two steps the main process waits for the GPU (the loss
-    it logs), then collates the next batch while the GPU idles: 14 ms of a 0.26 s step at 8 x 2048 on an H200's host
-    (bench/NOTES.md). A worker collates it during the step instead. Linux forks the worker, so nothing a notebook
-    defined needs pickling, and the worker never touches CUDA (pinning stays in the main process); elsewhere workers
-    are spawned, which a notebook's objects may not survive, so the main process keeps collating there."""
-    import sys
-
-    import torch
-
-    workers = int(bool(options_of(model).loader_worker) and torch.cuda.is_available() and sys.platform == "linux")
-    return {"dataloader_num_workers": workers, "dataloader_persistent_workers": workers > 0}
-
-
 def record(model, lever: str, ran: bool) -> None:
     """What an installer found: some levers can only fall back once they meet the model (no liger for this family)."""
     model._nb_levers = {**getattr(model, "_nb_levers", {}), lever: bool(ran)}
@@ -136,7 +120,6 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
-    ran["loader_worker"] = loader_args(model)["dataloader_persistent_workers"]
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once"):

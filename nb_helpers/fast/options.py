@@ -41,8 +41,6 @@ class FastOptions:
     #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
     keep_dequantized: bool = True  # a checkpointed layer's recompute keeps the weights it dequantizes for its own
     #                                backward, which follows at once (fast.recompute.keeps_weights); with dead_tail
-    loader_worker: bool = True  # the next batch collated in one DataLoader worker process while the GPU trains, not
-    #                             by the main process between steps (fast.loader_args); CUDA, Linux (forked)
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -142,6 +140,4 @@ LEVERS = {
                     "14.5 at 8 x 512, for 0.06 GiB"),
     "keep_dequantized": ("the recompute's dequantized weights kept for the layer's backward, not dequantized again",
                          "not measured yet"),
-    "loader_worker": ("the next batch collated in a DataLoader worker process while the GPU trains",
-                      "not measured yet"),
 }
