@@ -132,3 +132,25 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     _same(stock, ours, rtol=2e-2, atol=1e-3)
     graphed_layers.reset()
     _stock_forwards(model)
+
+
+def test_the_run_keeps_dequantized_weights_only_under_the_budget_rule(tiny_cfg, capsys, monkeypatch):
+    """after_lora's check (fast._dequantized_weights_fit) reads the model's own config: TinyLlama's layer at 4 GiB is
+    kept, Qwen3-4B's is not and one line says so; the checkpoint switch then leaves it off."""
+    import json
+    from types import SimpleNamespace
+
+    from nb_helpers import fast, frontend
+    from nb_helpers.config import PROJECT_ROOT
+    from nb_helpers.plan.architecture import config_object
+
+    monkeypatch.setattr(frontend, "_SAID", set())
+    def model_of(name):
+        shapes = PROJECT_ROOT / "nb_helpers" / "plan" / "shapes"
+        return SimpleNamespace(config=config_object(json.loads((shapes / f"{name}.json").read_text())))
+
+    cfg = tiny_cfg.replace(budget_gib=4.0)
+    assert fast._dequantized_weights_fit(model_of("tinyllama-1.1b"), cfg)
+    assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
+    assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
+    assert capsys.readouterr().out.count("keep_dequantized off") == 1

@@ -425,11 +425,13 @@ def test_offloaded_checkpoints_leave_the_card_and_buy_a_bigger_micro_batch():
     assert (short.batch, short.offload) == (8, False)
 
 
-def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys):
+def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys, monkeypatch):
     """Without auto-fit, a run whose graphed layers the planner puts over the budget (and whose eager layers fit)
-    trains eagerly and says why; with room for them it keeps them."""
+    trains eagerly and says why; with room for them it keeps them. (The levers whose memory depends on the budget are
+    off, so that the plans at the two budgets differ by the graphs alone.)"""
     from types import SimpleNamespace
 
+    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0,absmax_once=0")
     from nb_helpers.config import PROJECT_ROOT, RunConfig
     from nb_helpers.plan.planner import load_shape, plan_for_config
     from nb_helpers.plan.autofit import keep_graphs_within_budget
@@ -554,3 +556,18 @@ def test_the_recompute_s_kept_weights_are_counted_in_the_layer_s_backward(monkey
     assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
     monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0")
     assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+
+
+def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_the_budget(tiny_cfg):
+    """The 2% rule of the absmax (plan.architecture.keeps_dequantized_weights): TinyLlama's 62 MiB at 4 GiB are kept,
+    Qwen3-4B's 145 MiB are not (they would cost it its CUDA graphs on a 4 GB card); without a budget always."""
+    from nb_helpers.plan.architecture import keeps_dequantized_weights
+    from nb_helpers.plan.catalog import known_shape
+    from nb_helpers.plan.planner import plan_for_config
+
+    tiny, big = known_shape("tinyllama-1.1b"), known_shape("qwen3-4b")
+    assert keeps_dequantized_weights(tiny, 4.0) and not keeps_dequantized_weights(big, 4.0)
+    assert keeps_dequantized_weights(big, None) and keeps_dequantized_weights(big, 8.0)
+    cfg = tiny_cfg.replace(budget_gib=4.0)
+    assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+    assert not plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized

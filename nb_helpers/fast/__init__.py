@@ -73,6 +73,8 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
+        if fast.keep_dequantized:
+            record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
@@ -82,6 +84,22 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     elif cfg.offload_checkpoints:
         say_once("offload-plain", "[fast] offload_checkpoints needs the fast path (fast_path=True); checkpoints stay "
                                   "on the GPU")
+
+
+def _dequantized_weights_fit(model, cfg) -> bool:
+    """Whether a layer's recomputed weights, kept dequantized for its backward, are a small share of the run's budget
+    (plan.architecture.keeps_dequantized_weights); if not, one line says so and each backward dequantizes again."""
+    from nb_helpers.plan.architecture import ABSMAX_KEPT_SHARE, Shape, keeps_dequantized_weights
+    from nb_helpers.plan.cards import budget_of
+
+    try:
+        fits = keeps_dequantized_weights(Shape.from_config(model.config), budget_of(cfg))
+    except Exception:  # noqa: BLE001 - a config the planner cannot read: keep nothing, as before the lever
+        fits = False
+    if not fits:
+        say_once("keep-dequantized", f"[fast] keep_dequantized off: a layer's dequantized weights would be over "
+                                     f"{ABSMAX_KEPT_SHARE:.0%} of the budget (each backward dequantizes them again)")
+    return fits
 
 
 def adapt_trainer(trainer, model) -> None:
@@ -120,9 +138,10 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
+    ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
-        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once"):
+        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

@@ -54,7 +54,8 @@ def set_checkpoint_offload(model, offload: bool) -> None:
     it, keeping its dequantized weights for the backward (lever keep_dequantized, fast.recompute.keeps_weights)."""
     from torch.utils.checkpoint import checkpoint
 
-    graphs, tail, keep = graphs_on(model), tail_lever_on(model), options_of(model).keep_dequantized
+    graphs, tail = graphs_on(model), tail_lever_on(model)
+    keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     for layer in compat.checkpointed_layers(model):
         recompute.mark(layer, tail, keep)

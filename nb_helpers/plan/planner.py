@@ -60,7 +60,8 @@ from dataclasses import asdict, dataclass, field
 from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
 from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
-                                          absmax_kept_bytes, keeps_decoded_absmax, known_families, load_shape,
+                                          absmax_kept_bytes, keeps_decoded_absmax, keeps_dequantized_weights,
+                                          known_families, load_shape,
                                           nf4_bytes, plan_targets)
 
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
@@ -318,7 +319,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                                                                                                 gpu_extras),
                     absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
                     and keeps_decoded_absmax(shape.linear_params, budget),
-                    keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail())
+                    keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail()
+                    and keeps_dequantized_weights(shape, budget))
     return plan(shape, inp, budget_gib=budget)
 
 
