@@ -77,11 +77,11 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # forty-ninth device call: the recompute's dequantized weights kept for the layer's backward (fast.recompute
-        # keeps_weights), taken out again
-        run("w2048", "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
+        # forty-ninth and fiftieth device calls: the recompute's dequantized weights kept for the layer's backward
+        # (fast.recompute.keeps_weights; on in "ours" then, opt-in since: NB_FASTPATH=keep_dequantized=1)
+        run("w2048", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
             steps=steps + 1),
-        run("w512", "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
+        run("w512", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
             steps=steps + 1),
         # forty-fifth device call: double quantization's absmax decoded once and kept in fp32 (fast.fused_lora
         # keep_decoded_absmax), taken out again

@@ -553,12 +553,12 @@ def test_the_recompute_s_kept_weights_are_counted_in_the_layer_s_backward(monkey
              for keep in (True, False)]
     assert no_gc[0].peak_bytes == no_gc[1].peak_bytes
     shape = load_shape(tiny_cfg.model)
-    assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
-    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0")
     assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=1")  # opt-in
+    assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
 
 
-def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_the_budget(tiny_cfg):
+def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_the_budget(tiny_cfg, monkeypatch):
     """The 2% rule of the absmax (plan.architecture.keeps_dequantized_weights): TinyLlama's 62 MiB at 4 GiB are kept,
     Qwen3-4B's 145 MiB are not (they would cost it its CUDA graphs on a 4 GB card); without a budget always."""
     from nb_helpers.plan.architecture import keeps_dequantized_weights
@@ -568,6 +568,7 @@ def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_t
     tiny, big = known_shape("tinyllama-1.1b"), known_shape("qwen3-4b")
     assert keeps_dequantized_weights(tiny, 4.0) and not keeps_dequantized_weights(big, 4.0)
     assert keeps_dequantized_weights(big, None) and keeps_dequantized_weights(big, 8.0)
+    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=1")  # opt-in
     cfg = tiny_cfg.replace(budget_gib=4.0)
     assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
     assert not plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
