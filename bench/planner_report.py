@@ -87,7 +87,12 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call42-w2048.json": ("dropout kernels, 8 x 2048 (call 42, held out)", True, None),
               # the absmax kept decoded in fp32 (absmax_once, call 45), with and without: held out
               "raw/throughput-call45-w2048.json": ("absmax kept decoded, 8 x 2048 (call 45, held out)", True, None),
-              "raw/throughput-call45-w512.json": ("absmax kept decoded, 8 x 512 (call 45, held out)", True, None)}
+              "raw/throughput-call45-w512.json": ("absmax kept decoded, 8 x 512 (call 45, held out)", True, None),
+              # the recompute's weights kept dequantized (keep_dequantized, calls 49-50), with and without: held out
+              "raw/throughput-call49.json": ("weights kept dequantized, 8 x 2048 and 8 x 512 (call 49, held out)", True,
+                                             None),
+              "raw/throughput-call50-w2048.json": ("weights kept dequantized, 8 x 2048 (call 50, held out)", True, None),
+              "raw/throughput-call50-w512.json": ("weights kept dequantized, 8 x 512 (call 50, held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
