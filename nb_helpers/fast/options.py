@@ -142,5 +142,5 @@ LEVERS = {
                     "14.5 at 8 x 512, for 0.06 GiB"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
-                         "8 x 512), for 0.04-0.08 GiB; but steps 4-8% slower on the H200's host, so off by default"),
+                         "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),
 }
