@@ -223,11 +223,11 @@ def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
 def keeps_dequantized_weights(shape: Shape, budget_gib: float | None) -> bool:
     """Whether the fast path keeps a layer's recomputed weights, dequantized to 16 bits, for its backward
     (fast.recompute.keeps_weights) under this budget (None: the whole GPU, no cap)."""
-    kept = 2 * recomputed_params(shape, _DEAD_TAIL)[0]
+    kept = 2 * recomputed_params(shape, _WithDeadTail)[0]
     return budget_gib is None or kept <= ABSMAX_KEPT_SHARE * budget_gib * 2**30
 
 
-class _DEAD_TAIL:  # recomputed_params' view of a run with the dead_tail lever, which keeping the weights needs
+class _WithDeadTail:  # recomputed_params' view of a run with the dead_tail lever, which keeping the weights needs
     dead_tail = True
 
 
