@@ -77,6 +77,12 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # fifty-first device call: auto-fit leaves the last layers unrecomputed where the budget holds their
+        # activations (RunConfig.no_recompute_layers), taken out
+        run("w2048", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
+            steps=steps + 1),
+        run("w512", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
+            steps=steps + 1),
         # forty-ninth and fiftieth device calls: the recompute's dequantized weights kept for the layer's backward
         # (fast.recompute.keeps_weights; on in "ours" then, opt-in since: NB_FASTPATH=keep_dequantized=1)
         run("w2048", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
@@ -414,7 +420,9 @@ def ours_worker(spec: dict) -> dict:
             "gc_ms_per_step": recorder.gc_steps,
             "predicted_peak_gib": summary.get("predicted_peak_gib"), "host_profile": host.report,
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
-                         "gc": chosen["gradient_checkpointing"]}, "fast_levers": summary.get("fast_levers")}
+                         "gc": chosen["gradient_checkpointing"],
+                         "no_recompute_layers": chosen.get("no_recompute_layers", 0)},
+            "fast_levers": summary.get("fast_levers")}
 
 
 def worker_main(spec_path: str, out_path: str) -> None:

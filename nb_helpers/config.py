@@ -1,9 +1,8 @@
 """One config object for every knob: widgets write it, the trainer reads it, each run saves it.
 
-The defaults are the reference recipe (TinyLlama-1.1B-Chat, NF4 + double quant, LoRA r=8 on
-q,k,v,o, batch 1 x accumulation 8, paged_adamw_8bit, lr 2e-4, clip 0.3, gradient checkpointing,
-3 epochs). `default_config()` adapts only what this machine forces, and prints each change.
-"""
+The defaults are the reference recipe (TinyLlama-1.1B-Chat, NF4 + double quant, LoRA r=8 on q,k,v,o, batch 1 x
+accumulation 8, paged_adamw_8bit, lr 2e-4, clip 0.3, gradient checkpointing, 3 epochs). `default_config()` adapts
+only what this machine forces, and prints each change."""
 
 from __future__ import annotations
 
@@ -78,6 +77,8 @@ class RunConfig:
     # GPU + GC: replay each checkpointed layer as a CUDA graph: several times faster steps, for a memory pool (0.3-0.5
     # GiB for TinyLlama at 1 x 512-2048). None = auto_fit weighs it; hand-set runs stay lean (the reference's memory)
     cuda_graphs: bool | None = None
+    # GPU + GC: the last N layers keep their activations, not recomputed: less compute, N layers' activations more
+    no_recompute_layers: int = 0  # memory (`plan` shows it). auto_fit takes what the budget holds; try 2-4 by hand
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
     max_length: int = 512  # tokens per sequence; longer costs activation memory
@@ -99,9 +100,8 @@ class RunConfig:
     runs_dir: str = "runs"
     run_name: str | None = None  # None = timestamp + model + rank
     budget_gib: float | None = None  # emulate a smaller card on a bigger one (CUDA only), context included
-    # the learner's card (plan/cards.py): "gtx1650", "gtx1650-laptop", "rtx3050-laptop-4gb", "rtx3050-6gb",
-    # "rtx3050-8gb", "t4" or "6 GiB". Plans use its memory and compute capability; a bigger GPU emulates it
-    card: str | None = None
+    # the learner's card (plan/cards.py: "gtx1650", "rtx3050-laptop-4gb", "t4", ... or "6 GiB"): plans use its memory
+    card: str | None = None  # and compute capability; a bigger GPU emulates it
     desktop_on_card: bool = True  # the screen runs on the card: keep ~0.35 GiB for it; False on a headless machine
     auto_fit: bool = False  # GPU: pick micro-batch x accumulation and GC that fit budget_gib, same effective batch
     # GPU: the fenced fast path (nb_helpers.fast: fused kernels, no mask, CUDA graphs, ...); False trains the plain
@@ -167,17 +167,17 @@ class RunConfig:
 
     def summary_line(self) -> str:
         steps = f"max_steps={self.max_steps}" if self.max_steps > 0 else f"epochs={self.num_train_epochs:g}"
+        gc = ("on" + " (checkpoints in CPU RAM)" * self.offload_checkpoints + f", the last {self.no_recompute_layers} "
+              "layers not recomputed" * (self.no_recompute_layers > 0)) if self.gradient_checkpointing else "off"
         return (f"r={self.lora_r} alpha={self.lora_alpha} targets={','.join(self.target_modules)} | "
                 f"batch {self.micro_batch_size} x accum {self.grad_accum} | lr {self.learning_rate:g} | "
-                f"max_length {self.max_length} | {steps} | GC {'on' if self.gradient_checkpointing else 'off'}"
-                + (" (checkpoints in CPU RAM)" if self.offload_checkpoints and self.gradient_checkpointing else ""))
+                f"max_length {self.max_length} | {steps} | GC {gc}")
 
 
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).
-CI_OVERRIDES = dict(
-    max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
-    max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2, runs_dir="runs/ci",
-)
+CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
+                    max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
+                    runs_dir="runs/ci")
 
 # CPU, each change measured on 2 cores (bench/results/cpu.json, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;

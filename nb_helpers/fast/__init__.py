@@ -56,6 +56,7 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     from nb_helpers.fast.mask import install_mask_drop
 
     model._nb_fast, model._nb_use_graphs, model._nb_levers = fast, cfg.graphs_wanted, getattr(model, "_nb_levers", {})
+    model._nb_no_recompute = cfg.no_recompute_layers if cfg.gradient_checkpointing else 0
     if fast.nomask:
         install_mask_drop(model)
     if fast.fused_lora:
@@ -84,6 +85,9 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     elif cfg.offload_checkpoints:
         say_once("offload-plain", "[fast] offload_checkpoints needs the fast path (fast_path=True); checkpoints stay "
                                   "on the GPU")
+    if cfg.no_recompute_layers and cfg.gradient_checkpointing and not cfg.fast_path:
+        say_once("no-recompute-plain", "[fast] no_recompute_layers needs the fast path (fast_path=True); every "
+                                       "checkpointed layer recomputes")
 
 
 def _dequantized_weights_fit(model, cfg) -> bool:
@@ -126,7 +130,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     the allocator really took (a user's own PYTORCH_CUDA_ALLOC_CONF wins), where the run set it."""
     import torch
 
-    from nb_helpers.fast.checkpoints import graphs_on, pad_multiple, tail_lever_on
+    from nb_helpers.fast.checkpoints import graphs_on, no_recompute_layers, pad_multiple, tail_lever_on
 
     if not torch.cuda.is_available():
         return {}
@@ -138,6 +142,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
+    ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels

@@ -1,5 +1,7 @@
 """Which function each checkpointed layer runs: torch's reentrant checkpoint, the same with its saved input in CPU RAM
-(fast.offload), or its two halves replayed as CUDA graphs (fast.graphed_layers); and the batch padding graphs need.
+(fast.offload), or its two halves replayed as CUDA graphs (fast.graphed_layers); for the last no_recompute_layers
+layers no checkpoint at all (they keep their activations: no recompute in their backward); and the batch padding
+graphs need.
 
 Reentrant checkpoints (the GPU default) run the forward under no_grad: no autograd graph and no saved-tensor hook per
 saved tensor, which is host time on a host-bound step (bench/NOTES.md). They need an input that requires grad:
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 
 from nb_helpers.fast import compat, recompute
+from nb_helpers.fast.graphed_kept import graphed_kept
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
 from nb_helpers.fast.options import options_of
@@ -57,11 +60,38 @@ def set_checkpoint_offload(model, offload: bool) -> None:
     graphs, tail = graphs_on(model), tail_lever_on(model)
     keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
-    for layer in compat.checkpointed_layers(model):
+    layers = compat.checkpointed_layers(model)
+    unrecomputed = layers[len(layers) - min(len(layers), no_recompute_layers(model)):]
+    for layer in layers:
+        if any(layer is kept for kept in unrecomputed):
+            recompute.mark(layer, False)
+            compat.set_checkpoint_function(layer, kept_function(layer, graphs))
+            continue
         recompute.mark(layer, tail, keep)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
+
+
+def no_recompute_layers(model) -> int:
+    """How many of the last checkpointed layers keep their activations instead (RunConfig.no_recompute_layers, which
+    after_lora and auto-fit record on the model)."""
+    return max(0, int(getattr(model, "_nb_no_recompute", 0) or 0))
+
+
+def called_directly(function, *args, **kwargs):
+    """A layer that keeps its activations: called as without checkpointing (autograd saves what its backward reads)."""
+    return function(*args, **kwargs)
+
+
+def kept_function(layer, graphs: bool):
+    """What a layer that keeps its activations runs: its forward and backward as CUDA graphs (graphs_on), or a plain
+    call."""
+    if not graphs:
+        return called_directly
+    if getattr(layer, "_nb_kept_graphs", None) is None:  # apart from its checkpoint's graphs: other captures
+        layer._nb_kept_graphs = LayerGraphs(layer)
+    return functools.partial(graphed_kept, graphs=layer._nb_kept_graphs)
 
 
 def graphed_function(layer, offload: bool):
@@ -89,13 +119,16 @@ def install_offload(model, offload: bool) -> bool:
     if not torch.cuda.is_available():
         if offload:
             say_once("offload", "[fast] checkpoint offload off: no CUDA GPU (the activations already live in RAM)")
+        if no_recompute_layers(model):
+            say_once("no-recompute-cpu", "[fast] no_recompute_layers applies on a CUDA GPU; here every checkpointed "
+                                         "layer recomputes (the CPU profile turns checkpointing off instead)")
         return False
     model._nb_offload = offload
     enable = model.gradient_checkpointing_enable
 
     def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
         enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-        if model._nb_offload or graphs_on(model) or tail_lever_on(model):
+        if model._nb_offload or graphs_on(model) or tail_lever_on(model) or no_recompute_layers(model):
             set_checkpoint_offload(model, model._nb_offload)
         if model._nb_offload:
             say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")

@@ -125,6 +125,8 @@ class _Entry:
         self.failed = False
         self.buffers = self.out_spec = None
         self.param_grads: list = []
+        self.warmed = False  # a layer that keeps its activations: its first call of this shape ran eagerly
+        self.kept = None  # and what its graphs read and write (fast.graphed_kept._Kept)
 
 
 class _Buffers:
@@ -158,6 +160,13 @@ def _signature(leaves, params):
 def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
     """A reentrant checkpoint of `function(*args, **kwargs)` (transformers passes the layer's call with its keyword
     arguments bound), replayed from CUDA graphs for input shapes it has met before."""
+    plan, params = _plan_call(function, args, kwargs, graphs)
+    flat_out = _GraphedCheckpoint.apply(plan, *plan.tensors, *params)
+    return tree_unflatten(list(flat_out), plan.out_spec)
+
+
+def _plan_call(function, args, kwargs, graphs: LayerGraphs):
+    """The call's plan (its tensors, its graph entry) and the layer's trainable weights."""
     if isinstance(function, functools.partial):
         function, args, kwargs = function.func, function.args + args, {**function.keywords, **kwargs}
     layer = getattr(function, "__self__", None)
@@ -167,8 +176,7 @@ def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
     leaves, spec = tree_flatten((args, kwargs))
     plan = _Plan(function, spec, leaves, graphs, _signature(leaves, params))
     plan.owners, plan.layer = owners, layer
-    flat_out = _GraphedCheckpoint.apply(plan, *plan.tensors, *params)
-    return tree_unflatten(list(flat_out), plan.out_spec)
+    return plan, params
 
 
 class _Plan:
@@ -387,3 +395,4 @@ def _replay_backward(entry, tensors, grad_outputs):
     # input gradients live in buffers every layer of this shape shares: copied out before the next layer replays;
     # the params' gradients are this layer's own buffers, which autograd adds into .grad right away
     return [None if b is None else b.clone() for b in buffers.grad_inputs] + list(entry.param_grads)
+

@@ -39,6 +39,8 @@ class FastOptions:
     #                               or kept (fast.lora_dropout, Triton); CUDA, fused_lora, 16-bit inputs
     absmax_once: bool = True  # double quantization's absmax decoded once per weight and kept in fp32, not at every
     #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
+    fewer_recomputes: bool = True  # auto-fit leaves the last layers unrecomputed where the budget holds their
+    #                                activations (RunConfig.no_recompute_layers; fast.checkpoints); CUDA, checkpointing
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50), so not on by default
@@ -140,6 +142,8 @@ LEVERS = {
     "absmax_once": ("double quantization's absmax decoded once and kept in fp32 (the base is frozen)",
                     "GPU busy 14.3 against 14.6 us/token at 8 x 2048 (62,591 against 59,990 tokens/s), 14.1 against "
                     "14.5 at 8 x 512, for 0.06 GiB"),
+    "fewer_recomputes": ("auto-fit leaves the last layers unrecomputed (no_recompute_layers) where the budget holds "
+                         "their activations: no recompute in their backward", "not measured yet"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
                          "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),

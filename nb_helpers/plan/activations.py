@@ -19,7 +19,8 @@ saved-tensor hooks in a real training step; on the CPU the count matches this fo
     GPU path's dropout kernels (fast.lora_dropout), no copy and no mask: the input itself, once per tensor read.
     MatMul4Bit saves no input (it never computes a weight gradient), so frozen layers add nothing.
   * With gradient checkpointing only each layer's fp32 input is kept (4h per token per layer); one layer's full
-    activations are rebuilt during its backward pass.
+    activations are rebuilt during its backward pass. The last `no_recompute_layers` layers (RunConfig) keep their
+    full activations instead and are not rebuilt.
 Loss and LM head (TRL 1.16's fused, chunked log-prob kernel, `trl.kernels.chunked_logprob`)
   * It never builds the (T, V) logits: it saves the fp32 final hidden states of the labelled tokens (4h*N) and
     projects them in tiles of up to 4096 tokens x 32768 vocabulary entries (compute dtype), with the tile's slice of
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_params
+from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
 
 if TYPE_CHECKING:
     from nb_helpers.plan.planner import PlanInput
@@ -137,11 +138,13 @@ def kept_activation_bytes(shape: Shape, inp: PlanInput, padded: bool) -> tuple[f
     tables = 2 if shape.family == "gemma3_text" and 0 < shape.sliding_layers < L else 1
     shared = tables * 2 * T * (shape.rotary_dim or shape.head_dim) * 4 \
         + inp.batch * inp.seq * inp.seq * (int(masked) + int(sliding > 0))
-    if inp.gradient_checkpointing:
+    recomputed = recomputed_layers(shape, inp)
+    if recomputed:
         # offloaded: the first layer's input (the embedding output, a leaf autograd keeps) stays on the card and, when
         # the copies overlap the compute, one more layer input: being copied out in the forward, fetched back early
-        # in the backward
-        kept = ((1 + int(inp.offload_overlap)) if inp.offload else L) * rb * h * T
+        # in the backward. The last L - recomputed layers keep all their activations (the larger kind, to be safe).
+        kept = ((1 + int(inp.offload_overlap)) if inp.offload else recomputed) * rb * h * T
+        kept += (L - recomputed) * max(per_layer, per_sliding) * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
     kept += shared + rb * h * T  # + the final norm's input
@@ -176,14 +179,20 @@ def layer_backward_bytes(shape: Shape, inp: PlanInput, per_layer: float) -> tupl
     layer_backward = {"layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
                       "backward_transient": 2 * rb * i * T + 2 * rb * h * T
                       + 2 * max(a * b for a, b in shape.linear_dims().values())}  # one dequantized weight at a time
+    # the last layers keep their activations (no_recompute_layers): the first backward is theirs, with no recompute;
+    # by the first recomputed layer's backward they are freed, and they were at least one layer's worth
+    not_recomputed = shape.layers - recomputed_layers(shape, inp) if inp.gradient_checkpointing else 0
     if inp.graphs and inp.gradient_checkpointing:
         # One memory pool holds a layer's recompute and backward for every graph, all the time; the layers share
-        # buffers for their inputs and outputs (two hidden states). Only the gradients copied out of the pool are
-        # left to the allocator during the backward.
-        graphs = GRAPH_POOL_FACTOR * sum(layer_backward.values()) + kept + 2 * rb * h * T + GRAPH_OVERHEAD_GIB * GIB
+        # buffers for their inputs and outputs (two hidden states), and each layer that keeps its activations has
+        # its own input buffer. Only the gradients copied out of the pool are left to the allocator in the backward.
+        graphs = GRAPH_POOL_FACTOR * sum(layer_backward.values()) + kept + (2 + not_recomputed) * rb * h * T \
+            + GRAPH_OVERHEAD_GIB * GIB
         layer_backward = {"layer_recompute": 0.0, "backward_transient": 2 * rb * h * T}
     else:
         layer_backward["backward_transient"] += kept
+        if not_recomputed:
+            layer_backward["layer_recompute"] = 0.0
     return layer_backward, graphs
 
 

@@ -220,6 +220,14 @@ def recomputed_params(shape: Shape, inp) -> tuple[int, int]:
     return per_layer, len(dims)
 
 
+def recomputed_layers(shape: Shape, inp) -> int:
+    """Decoder layers whose backward recomputes their forward: every layer with gradient checkpointing, less the last
+    `no_recompute_layers`, which keep their activations instead (fast.checkpoints, RunConfig.no_recompute_layers)."""
+    if not inp.gradient_checkpointing:
+        return 0
+    return shape.layers - min(shape.layers, max(0, int(getattr(inp, "no_recompute_layers", 0))))
+
+
 def keeps_dequantized_weights(shape: Shape, budget_gib: float | None) -> bool:
     """Whether the fast path keeps a layer's recomputed weights, dequantized to 16 bits, for its backward
     (fast.recompute.keeps_weights) under this budget (None: the whole GPU, no cap)."""

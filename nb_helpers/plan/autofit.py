@@ -69,7 +69,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     def trial(option) -> float | None:
         try:
             trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload,
-                       option.graphs)
+                       option.graphs, option.no_recompute_layers)
             torch.cuda.synchronize()
             return memory_snapshot()["device_used_gib"]
         finally:
@@ -79,23 +79,25 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
 
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
                       log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"),
-                      gpu=timing_gpu(cfg))  # fastest on the run's card (or this GPU), by the time model
+                      gpu=timing_gpu(cfg),  # fastest on the run's card (or this GPU), by the time model
+                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs
+    model._nb_no_recompute = choice.no_recompute_layers
     torch.cuda.reset_peak_memory_stats()
     return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
                        gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
-                       cuda_graphs=choice.graphs)
+                       cuda_graphs=choice.graphs, no_recompute_layers=choice.no_recompute_layers)
 
 def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False,
-               graphs: bool = False) -> None:
+               graphs: bool = False, no_recompute_layers: int = 0) -> None:
     """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
     padded last row as real batches have; the gradients are dropped afterwards. With `graphs` the layers are
     captured as CUDA graphs, so the measured peak includes their memory pool."""
     import torch
 
-    model._nb_use_graphs = graphs
+    model._nb_use_graphs, model._nb_no_recompute = graphs, no_recompute_layers if checkpointing else 0
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=fast.checkpoint_kwargs(model))
         fast.set_checkpoint_offload(model, offload)

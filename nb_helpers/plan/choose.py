@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from nb_helpers.plan.architecture import Shape
+from nb_helpers.plan.architecture import Shape, recomputed_layers
 from nb_helpers.plan.planner import Plan, PlanInput, plan, plan_for_config
 
 # Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x GC_COMPUTE_FACTOR with
@@ -36,58 +36,86 @@ class Candidate:
     graphs: bool = False
     predicted_step_s: float | None = None  # on the GPU ranked for (nb_helpers.plan.step_time), where one was
     gpu_name: str | None = None
+    no_recompute_layers: int = 0  # with GC: the last layers that keep their activations (RunConfig)
 
     def describe(self) -> str:
         gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
+        if self.gradient_checkpointing and self.no_recompute_layers:
+            gc += f", the last {self.no_recompute_layers} layers not recomputed"
         graphs = ", layers as CUDA graphs" if self.graphs and self.gradient_checkpointing else ""
         time = f", ~{self.predicted_step_s:.2f} s/step on the {self.gpu_name}" if self.predicted_step_s else ""
         return (f"micro-batch {self.batch} x accumulation {self.accum}, gradient checkpointing {gc}{graphs} "
                 f"(predicted {self.predicted_gib:.2f} GiB{time})")
 
 
+def most_layers_kept(shape: Shape, inp: PlanInput, limit_gib: float) -> int:
+    """The most of the last layers that may keep their activations (no_recompute_layers) with the plan within
+    `limit_gib`: at most all but one (all of them is checkpointing off, a candidate of its own)."""
+    def fits(kept: int) -> bool:
+        return plan(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept})).peak_gib <= limit_gib
+
+    low, high = 0, shape.layers - 1
+    while low < high:  # the memory grows with every layer kept
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
 def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float,
-               margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None) -> list[Candidate]:
+               margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None,
+               fewer_recomputes: bool = False) -> list[Candidate]:
     """Every micro-batch x accumulation with the same effective batch, GC off, on, and on with checkpoints in CPU
     RAM (where `offload_allowed`), each checkpointed one also as CUDA graphs (with `base.graphs`), predicted to fit
     the budget (less the margin), fastest first. With `gpu` (nb_helpers.plan.step_time.timing_gpu) by the predicted
     step time there: on a compute-bound card, no recompute beats graphs; on the H200, host-bound, graphs and fewer
     micro-steps win. Without one (a GPU the time model does not know), by the older rule: fewer micro-steps first
-    (each costs the host a fixed overhead), then graphed before eager, then the compute each needs."""
-    from nb_helpers.plan.step_time import predict_step_time
-
+    (each costs the host a fixed overhead), then graphed before eager, then the compute each needs. With
+    `fewer_recomputes`, each checkpointed candidate also comes with as many of its last layers unrecomputed as the
+    budget holds, and half as many (a step down if the trial step finds the most too many)."""
     modes = [(False, False), (True, False)] + ([(True, True)] if offload_allowed else [])
     modes = [(gc, offload, False) for gc, offload in modes] + \
         ([(True, offload, True) for gc, offload in modes if gc] if base.graphs else [])
-    out = []
+    out, limit = [], budget_gib * (1 - margin)
     for batch in [b for b in range(1, effective_batch + 1) if effective_batch % b == 0]:
         for gc, offload, graphs in modes:
             inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
-                               "gradient_checkpointing": gc, "offload": offload, "graphs": graphs})
-            predicted = plan(shape, inp).peak_gib
-            if predicted > budget_gib * (1 - margin):
+                               "gradient_checkpointing": gc, "offload": offload, "graphs": graphs,
+                               "no_recompute_layers": 0})
+            if plan(shape, inp).peak_gib > limit:
                 continue
-            if gpu is not None:
-                seconds = predict_step_time(shape, inp, gpu).step_s  # offload: pinned CPU RAM, so only if faster
-                out.append(Candidate(batch, inp.accum, gc, predicted, seconds * (OFFLOAD_FACTOR if offload else 1.0),
-                                     offload, graphs, seconds, gpu["name"]))
-                continue
-            factor = (GC_COMPUTE_FACTOR if gc else 1.0) * (OFFLOAD_FACTOR if offload else 1.0)
-            cost = inp.accum * (OVERHEAD_TOKENS + batch * inp.seq * factor)
-            out.append(Candidate(batch, inp.accum, gc, predicted, cost, offload, graphs))
+            most = most_layers_kept(shape, inp, limit) if gc and fewer_recomputes else 0
+            for kept in sorted({most, most // 2, 0}, reverse=True):
+                out.append(_candidate(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept}), gpu))
     if gpu is not None:
         return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
     return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
 
 
+def _candidate(shape: Shape, inp: PlanInput, gpu: dict | None) -> Candidate:
+    """One candidate, with its predicted peak and its cost: the predicted step on `gpu`, else the older rule's."""
+    from nb_helpers.plan.step_time import predict_step_time
+
+    predicted, gc, kept = plan(shape, inp).peak_gib, inp.gradient_checkpointing, inp.no_recompute_layers
+    if gpu is not None:
+        seconds = predict_step_time(shape, inp, gpu).step_s  # offload: pinned CPU RAM, so only if faster
+        return Candidate(inp.batch, inp.accum, gc, predicted, seconds * (OFFLOAD_FACTOR if inp.offload else 1.0),
+                         inp.offload, inp.graphs, seconds, gpu["name"], kept)
+    recomputed = recomputed_layers(shape, inp) / shape.layers
+    factor = (1 + (GC_COMPUTE_FACTOR - 1) * recomputed) * (OFFLOAD_FACTOR if inp.offload else 1.0)
+    cost = inp.accum * (OVERHEAD_TOKENS + inp.batch * inp.seq * factor)
+    return Candidate(inp.batch, inp.accum, gc, predicted, cost, inp.offload, inp.graphs, no_recompute_layers=kept)
+
+
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,
-             margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None) -> Candidate:
+             margin: float = FIT_MARGIN, offload_allowed: bool = True, gpu: dict | None = None,
+             fewer_recomputes: bool = False) -> Candidate:
     """Pick the fastest micro-batch x accumulation (and GC on/off) that fits, keeping the effective batch; fastest
     on `gpu` by the time model where one is given (see candidates).
 
     `trial(candidate)` runs one forward and backward at full length and returns the peak GiB it measured, or
     raises torch.OutOfMemoryError (any exception named *OutOfMemoryError); then the next candidate is tried and
     the step down is reported. Without a trial the prediction alone decides."""
-    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed, gpu)
+    options = candidates(shape, base, effective_batch, budget_gib, margin, offload_allowed, gpu, fewer_recomputes)
     if not options:
         smallest = plan(shape, PlanInput(**{**asdict(base), "batch": 1, "accum": effective_batch,
                                             "gradient_checkpointing": True, "offload": offload_allowed,

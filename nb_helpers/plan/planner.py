@@ -62,7 +62,7 @@ from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
                                           absmax_kept_bytes, keeps_decoded_absmax, keeps_dequantized_weights,
                                           known_families, load_shape,
-                                          nf4_bytes, plan_targets)
+                                          nf4_bytes, plan_targets, recomputed_layers)
 
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
 RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H200 measurement, planner grid
@@ -105,6 +105,7 @@ class PlanInput:
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
     absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
     keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
+    no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
 
     @property
     def tokens(self) -> int:
@@ -243,8 +244,8 @@ def plan_notes(shape: Shape, inp: PlanInput) -> list[str]:
     if inp.compute_dtype == "float32":
         notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
     notes += unmodelled_notes(shape)
-    if inp.offload and inp.gradient_checkpointing:
-        checkpoints = shape.layers * residual_bytes(inp) * shape.hidden * inp.tokens
+    if inp.offload and recomputed_layers(shape, inp):
+        checkpoints = recomputed_layers(shape, inp) * residual_bytes(inp) * shape.hidden * inp.tokens
         notes.append(f"checkpoints offloaded: {checkpoints / GIB:.2f} GiB of pinned CPU RAM")
     return notes
 
@@ -320,7 +321,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
                     and keeps_decoded_absmax(shape.linear_params, budget),
                     keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail()
-                    and keeps_dequantized_weights(shape, budget))
+                    and keeps_dequantized_weights(shape, budget),
+                    no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0)
     return plan(shape, inp, budget_gib=budget)
 
 

@@ -11,7 +11,8 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
     dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and two launches per GEMM (one where the
                  double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax); the backward reuses
                  the recompute's weights where they are kept (fast.recompute.keeps_weights)
-    (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params)
+    (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params;
+    the last no_recompute_layers layers are not recomputed at all: recomputed_layers)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
                  (liger's fused kernels touch fewer), and a fixed cost per layer pass
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nb_helpers.plan.activations import fused_kernels_apply
-from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_params
+from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
 # pinned memory measured 57 GB/s in bench/results/throughput.json)
@@ -89,12 +90,13 @@ class StepTime:
 
 def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     """The units of GPU_SECONDS one micro-step of this plan does."""
-    batch, seq, gc, layers = inp.batch, inp.seq, int(inp.gradient_checkpointing), shape.layers
+    batch, seq, layers = inp.batch, inp.seq, shape.layers
+    gc = recomputed_layers(shape, inp) / layers  # the share of layers recomputed: 1 with checkpointing, 0 without
     tokens, passes, dims = batch * seq, 2 + gc, shape.linear_dims()
     recomputed, recomputed_gemms = recomputed_params(shape, inp)
     weights_per_pass = shape.linear_params * 2 + gc * recomputed * layers  # forward, backward, the recompute
     gemms = layers * (len(dims) * 2 + gc * recomputed_gemms)
-    kept = gc and getattr(inp, "keep_dequantized", False)  # the backward reuses the recompute's dequantized weights
+    kept = gc * getattr(inp, "keep_dequantized", False)  # the backward reuses the recompute's dequantized weights
     dequantized, dequantizes = weights_per_pass - kept * recomputed * layers, gemms - kept * recomputed_gemms * layers
     targets = plan_targets(shape, inp.targets)
     lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
@@ -136,18 +138,16 @@ def host_seconds_per_micro_step(shape: Shape, inp) -> float:
     """The host's time for one eager micro-step (graphed layers: GRAPHED_MICRO_S, added to the GPU's)."""
     if inp.graphs and inp.gradient_checkpointing:
         return GRAPHED_MICRO_S
-    gc = inp.gradient_checkpointing
     stock = not fused_kernels_apply(shape, inp)
-    per_layer = HOST_LAYER_S + gc * (HOST_GC_LAYER_S + stock * HOST_GC_STOCK_LAYER_S) + \
-        max(0, shape.norms_per_layer - 2) * HOST_EXTRA_NORM_LAYER_S
-    return shape.layers * per_layer
+    per_layer = HOST_LAYER_S + max(0, shape.norms_per_layer - 2) * HOST_EXTRA_NORM_LAYER_S
+    return shape.layers * per_layer + recomputed_layers(shape, inp) * (HOST_GC_LAYER_S + stock * HOST_GC_STOCK_LAYER_S)
 
 
 def offload_seconds(shape: Shape, inp, gpu: dict, busy_s: float) -> float:
     """GPU time the checkpoint copies add per micro-step: a share of them, or all the compute cannot hide."""
-    if not (inp.offload and inp.gradient_checkpointing):
+    if not (inp.offload and recomputed_layers(shape, inp)):
         return 0.0
-    copy_s = 2 * shape.layers * inp.batch * inp.seq * shape.hidden * 2 / (gpu["pcie_gbs"] * 1e9)
+    copy_s = 2 * recomputed_layers(shape, inp) * inp.batch * inp.seq * shape.hidden * 2 / (gpu["pcie_gbs"] * 1e9)
     return max(OFFLOAD_EXPOSED * copy_s, copy_s - busy_s)
 
 

@@ -65,6 +65,7 @@ RANGES = {
     "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 turns clipping off); the recipe clips at 0.3"),
     "optim": (OPTIMIZERS.__contains__, f"choose one of {sorted(OPTIMIZERS)}"),
     "num_train_epochs": (lambda v: v >= 0, "must be >= 0; try 3"),
+    "no_recompute_layers": (lambda v: v >= 0, "must be >= 0 layers (0: every checkpointed layer recomputes)"),
     "max_length": (lambda v: v >= 16, "too short to hold a prompt and an answer; try 512"),
     "seed": (lambda v: 0 <= v < 2**32, "must be in 0 .. 2**32 - 1 (numpy's seeds); try 42"),
     "save_steps": (lambda v: v >= 1, "must be >= 1 optimizer step"),
