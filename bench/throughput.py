@@ -81,6 +81,9 @@ def lever_runs(steps: int) -> list[dict]:
         # activations (RunConfig.no_recompute_layers), taken out
         run("w2048", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
             steps=steps + 1),
+        run("w2048", "no-recompute-1-offload-8x1", 8, 1, offload=True, no_recompute_layers=1, profile=True,
+            steps=steps + 1),
+        run("w2048", "offload-8x1-profiled", 8, 1, offload=True, profile=True, steps=steps + 1),
         run("w512", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
             steps=steps + 1),
         # forty-ninth and fiftieth device calls: the recompute's dequantized weights kept for the layer's backward
@@ -403,6 +406,8 @@ def ours_worker(spec: dict) -> dict:
                     budget_gib=None if spec.get("card") else spec["budget"], card=spec.get("card"),
                     auto_fit=spec.get("auto_fit", False), compute_dtype=spec.get("dtype", "bfloat16"),
                     cuda_graphs=spec.get("cuda_graphs"), fast_path=spec.get("fast_path", True),
+                    offload_checkpoints=spec.get("offload", False),
+                    no_recompute_layers=spec.get("no_recompute_layers", 0),
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))

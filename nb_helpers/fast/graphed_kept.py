@@ -109,7 +109,9 @@ class _GraphedKept(torch.autograd.Function):
         ctx.needs = [t.requires_grad for t in tensors]
         ctx.save_for_backward(*tensors)  # only for a backward capture that fails: it recomputes, as a checkpoint
         for buffer, tensor in zip(entry.kept.inputs, tensors):
-            buffer.copy_(tensor)
+            # through .data: a copy that leaves the version counter alone, which the capture's saved views of the
+            # buffer share (RoPE saves cos and sin): autograd would otherwise refuse to capture the backward
+            buffer.data.copy_(tensor)
         entry.forward.replay()
         plan.out_spec = entry.out_spec
         return tuple(out.detach().clone() for out in entry.kept.outputs)
@@ -122,6 +124,7 @@ class _GraphedKept(torch.autograd.Function):
                 _capture_kept_backward(entry, grad_outputs, grad_outputs[0].device)
             except Exception as error:  # noqa: BLE001 - recompute instead, as a checkpoint would, and run eagerly
                 _fail(entry, ctx.plan, error)
+                entry.kept = None  # the capture's record and its saved tensors go
         if entry.backward is None:
             now = ctx.generator.get_state()
             ctx.generator.set_state(ctx.rng)
