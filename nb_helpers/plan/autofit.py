@@ -94,7 +94,8 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
                graphs: bool = False, no_recompute_layers: int = 0) -> None:
     """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
     padded last row as real batches have; the gradients are dropped afterwards. With `graphs` the layers are
-    captured as CUDA graphs, so the measured peak includes their memory pool."""
+    captured as CUDA graphs, so the measured peak includes their memory pool; layers that keep their activations are
+    captured at their second call (fast.graphed_kept), so then the trial runs twice."""
     import torch
 
     model._nb_use_graphs, model._nb_no_recompute = graphs, no_recompute_layers if checkpointing else 0
@@ -114,10 +115,11 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
         model._nb_fused_head = True
     try:
         with fast.out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly
-            with torch.autocast(device.type, dtype=dtype):
-                out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
-                            fused_lm_head=True)
-            out.loss.backward()
+            for _ in range(2 if graphs and model._nb_no_recompute else 1):
+                with torch.autocast(device.type, dtype=dtype):
+                    out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                                fused_lm_head=True)
+                out.loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
 
