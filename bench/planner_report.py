@@ -92,7 +92,14 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call49.json": ("weights kept dequantized, 8 x 2048 and 8 x 512 (call 49, held out)", True,
                                              None),
               "raw/throughput-call50-w2048.json": ("weights kept dequantized, 8 x 2048 (call 50, held out)", True, None),
-              "raw/throughput-call50-w512.json": ("weights kept dequantized, 8 x 512 (call 50, held out)", True, None)}
+              "raw/throughput-call50-w512.json": ("weights kept dequantized, 8 x 512 (call 50, held out)", True, None),
+              # the last layers not recomputed (fewer_recomputes, calls 52-54), with and without: held out. Call 51
+              # (its graphed kept layers fell back to eager) and call 52's 8 x 512 (the warm-up's cache beside the
+              # pool, fixed in 64485e1) ran code that is gone
+              "raw/throughput-call52.json": ("layers not recomputed, 8 x 2048 (call 52, held out)", True, {"w2048"}),
+              "raw/throughput-call53.json": ("layers not recomputed, 8 x 512 (call 53, held out)", True, None),
+              "raw/throughput-call54.json": ("layers not recomputed, 8 x 2048 and 8 x 512 (call 54, held out)", True,
+                                             None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
@@ -169,8 +176,9 @@ def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, b
                              accum=r["accum"], rank=8, targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"],
                              budget_gib=4.0, measured_gib=r["peak_device_gib"], reserved_gib=r["peak_reserved_gib"],
                              allocated_gib=r["peak_allocated_gib"], context_gib=r["context_gib"]), \
-                flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log") or [],
-                      overlap_before=before_overlap, ran=r.get("fast_levers"))  # 2026-11-30's: copies on the compute stream
+                {**flags(r.get("fast"), expandable and BEFORE_EXPANDABLE not in run, r.get("log") or [],
+                         overlap_before=before_overlap, ran=r.get("fast_levers")),  # 2026-11-30's: copies on the
+                 "no_recompute_layers": r.get("no_recompute_layers") or 0}  # compute stream
 
 
 def main() -> None:
