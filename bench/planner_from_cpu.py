@@ -42,7 +42,8 @@ def config_of(row: dict) -> RunConfig:
                      lora_r=row["rank"], lora_alpha=2 * row["rank"], gradient_checkpointing=row["gc"],
                      target_modules=["all-linear"] if row["targets"] == "all-linear" else QKVO,
                      cuda_graphs=bool(row["path"].get("graphs")), offload_checkpoints=bool(row["path"].get("offload")),
-                     budget_gib=row["budget_gib"], compute_dtype="bfloat16")
+                     budget_gib=row["budget_gib"], compute_dtype="bfloat16",
+                     no_recompute_layers=row["path"].get("no_recompute_layers", 0))
 
 
 def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:

@@ -78,7 +78,7 @@ class RunConfig:
     # GiB for TinyLlama at 1 x 512-2048). None = auto_fit weighs it; hand-set runs stay lean (the reference's memory)
     cuda_graphs: bool | None = None
     # GPU + GC: the last N layers keep their activations, not recomputed: less compute, N layers' activations more
-    no_recompute_layers: int = 0  # memory (`plan` shows it). auto_fit takes what the budget holds; try 2-4 by hand
+    no_recompute_layers: int = 0  # memory (`plan` shows it); auto_fit takes what fits where it pays. Try 2-4
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
     max_length: int = 512  # tokens per sequence; longer costs activation memory

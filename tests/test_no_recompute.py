@@ -12,7 +12,7 @@ from fused_models import fused_model, train_step, use_checkpoints
 from nb_helpers.fast import checkpoints, fused_lora
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.plan.architecture import recomputed_layers
-from nb_helpers.plan.choose import candidates, most_layers_kept
+from nb_helpers.plan.choose import KEPT_FACTOR, OFFLOAD_FACTOR, candidates, most_layers_kept
 from nb_helpers.plan.planner import PlanInput, plan
 from nb_helpers.plan.step_time import H200, predict_step_time
 
@@ -146,6 +146,12 @@ def test_auto_fit_keeps_as_many_layers_as_the_budget_holds(tinyllama):
     assert with_lever[0].predicted_step_s < without[0].predicted_step_s
     assert all(c.predicted_gib <= 4.0 * 0.95 for c in with_lever)
     assert "layers not recomputed" in with_lever[0].describe()
+    # keeping activations up to the budget's edge must buy 2% (choose.KEPT_FACTOR; the GTX 1650's case is
+    # tests/test_step_time.py::test_plan_prints_the_time_and_auto_fit_its_choice_with_it)
+    for c in with_lever:
+        margin = (KEPT_FACTOR if c.no_recompute_layers else 1.0) * (OFFLOAD_FACTOR if c.offload else 1.0)
+        assert c.relative_step_cost == pytest.approx(c.predicted_step_s * margin)
+
 
 
 # --- on the GPU ---------------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
                       log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"),
                       gpu=timing_gpu(cfg),  # fastest on the run's card (or this GPU), by the time model
-                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)
+                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)  # as choose.fewer_recomputes_on
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs

@@ -50,7 +50,7 @@ def gpu_capability(text: str | None) -> tuple[int, int] | None:
 
 def cmd_plan(args) -> int:
     """Predicted peak memory from config.json alone; exit 0 when it fits the budget, 3 when it does not."""
-    from nb_helpers.plan.choose import auto_fit, graphs_dropped_unless_they_fit
+    from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on, graphs_dropped_unless_they_fit
     from nb_helpers.plan.planner import default_context_gib, load_shape, plan_for_config
     from nb_helpers.plan.step_time import time_line, timing_gpu
 
@@ -101,7 +101,7 @@ def cmd_plan(args) -> int:
                                           gpu_capability=capability, labelled_fraction=args.labelled_fraction,
                                           gpu_extras=extras)
                 choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, budget, log=lambda *_: None,
-                                  gpu=timing_gpu(cfg))
+                                  gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg))
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")

@@ -296,11 +296,11 @@ class PlanView:
             return "<div><b>these settings train as set</b>; the prediction below is theirs</div>"
         if not torch.cuda.is_available():
             return "<div><b>these settings train as set</b> (auto-fit needs a CUDA GPU); the prediction is theirs</div>"
-        from nb_helpers.plan.choose import auto_fit
+        from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on
 
         try:  # `planned`: the settings as set, graphs weighed, before any are dropped for the card
             choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None,
-                              gpu=timing_gpu(cfg))
+                              gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg))
         except MemoryError as e:
             return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
         return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "
