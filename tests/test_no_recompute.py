@@ -179,3 +179,24 @@ def test_on_the_gpu_the_kept_layer_gives_the_same_steps_eager_graphed_and_offloa
         for a, b in zip(grads_every, grads_kept):
             assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3 * a.abs().max().item())
     graphed_layers.reset()
+
+
+def test_every_process_takes_rank_0_s_choice(monkeypatch, tiny_cfg):
+    """Auto-fit runs on rank 0 alone; the others get its choice as a config and must run it: offload, graphs and the
+    layers not recomputed set on their own model before the Trainer turns checkpointing on."""
+    from types import SimpleNamespace
+
+    from nb_helpers import distributed
+    from nb_helpers.plan import autofit, planner
+
+    fitted = tiny_cfg.replace(gradient_checkpointing=True, offload_checkpoints=True, cuda_graphs=True,
+                              no_recompute_layers=3, micro_batch_size=4, grad_accum=2)
+    monkeypatch.setattr(distributed, "is_main", lambda: False)
+    monkeypatch.setattr(distributed, "broadcast", lambda value: fitted)
+    monkeypatch.setattr(autofit, "longest_row_tokens", lambda rows, tokenizer: 64)
+    monkeypatch.setattr(planner, "plan_for_config", lambda *args, **kwargs: "planned")
+    model = SimpleNamespace(_nb_offload=False, _nb_use_graphs=False, _nb_no_recompute=0)
+    run = SimpleNamespace(cfg=tiny_cfg, model=model, train_rows=[], tokenizer=None, summary={}, shape=None)
+    autofit.fit_to_budget(run, verbose=False)
+    assert run.cfg is fitted and run.prediction == "planned"
+    assert (model._nb_offload, model._nb_use_graphs, model._nb_no_recompute) == (True, True, 3)

@@ -39,8 +39,18 @@ def fit_to_budget(run, verbose: bool = True) -> None:
         raise RuntimeError(f"auto-fit failed on rank 0 ({fitted})")
     if not fitted.gradient_checkpointing:
         run.model.gradient_checkpointing_disable()
+    adopt_choice(run.model, fitted)
     run.cfg = fitted
     run.prediction = plan_for_config(run.cfg.replace(max_length=seq), run.shape, context_gib=context)
+
+def adopt_choice(model, fitted: RunConfig) -> None:
+    """The checkpoint settings auto-fit chose, on this process's model (rank 0's choice reaches the others as a
+    config): offload where the fast path installed it, CUDA graphs, and the layers not recomputed."""
+    if hasattr(model, "_nb_offload"):
+        model._nb_offload = bool(fitted.offload_checkpoints)
+    model._nb_use_graphs = fitted.graphs_wanted
+    model._nb_no_recompute = fitted.no_recompute_layers if fitted.gradient_checkpointing else 0
+
 
 def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True,
                  seq: int | None = None) -> RunConfig:
@@ -80,11 +90,9 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
                       log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"),
                       gpu=timing_gpu(cfg),  # fastest on the run's card (or this GPU), by the time model
-                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)  # as choose.fewer_recomputes_on
+                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
-    model._nb_offload, model._nb_use_graphs = choice.offload, choice.graphs
-    model._nb_no_recompute = choice.no_recompute_layers
     torch.cuda.reset_peak_memory_stats()
     return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
                        gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
