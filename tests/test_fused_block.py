@@ -102,7 +102,8 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
-    cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False, budget_gib=4.0)
+    cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False, budget_gib=4.0,
+                          gradient_checkpointing=True, no_recompute_layers=0)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
     assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
