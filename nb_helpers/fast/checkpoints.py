@@ -61,9 +61,9 @@ def set_checkpoint_offload(model, offload: bool) -> None:
     keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     layers = compat.checkpointed_layers(model)
-    unrecomputed = layers[len(layers) - min(len(layers), no_recompute_layers(model)):]
-    for layer in layers:
-        if any(layer is kept for kept in unrecomputed):
+    first_kept = len(layers) - min(len(layers), no_recompute_layers(model))  # the last layers keep activations
+    for index, layer in enumerate(layers):
+        if index >= first_kept:
             recompute.mark(layer, False)
             compat.set_checkpoint_function(layer, kept_function(layer, graphs))
             continue

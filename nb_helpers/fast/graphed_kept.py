@@ -15,7 +15,6 @@ into its saved inputs). Its second call is captured, and replays from then on.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from nb_helpers.fast.graphed_layers import (LayerGraphs, _aliased_weights, _autocast, _differentiate, _fail,
                                             _generator, _on_side_stream, _plan_call)
@@ -26,8 +25,8 @@ class _Kept:
     forward's autograd record from the capture (until the backward is captured from it), the static outputs, and
     the backward's static gradients."""
 
-    def __init__(self, inputs, needs, leaves, weights, outputs):
-        self.inputs, self.needs, self.leaves, self.weights, self.outputs = inputs, needs, leaves, weights, outputs
+    def __init__(self, inputs, leaves, weights, outputs):
+        self.inputs, self.leaves, self.weights, self.outputs = inputs, leaves, weights, outputs
         self.grad_outputs: list = []
         self.input_grads: list = []
         self.param_grads: list = []
@@ -49,8 +48,7 @@ def graphed_kept(function, *args, graphs: LayerGraphs, **kwargs):
         _capture_kept_forward(plan, entry)
         if entry.forward is None:
             return function(*args, **kwargs)
-    flat_out = _GraphedKept.apply(plan, *plan.tensors, *params)
-    return tree_unflatten(list(flat_out), plan.out_spec)
+    return plan.unflatten(_GraphedKept.apply(plan, *plan.tensors, *params))
 
 
 def _capture_kept_forward(plan, entry) -> None:
@@ -69,7 +67,7 @@ def _capture_kept_forward(plan, entry) -> None:
         leaves = [buffer.detach().requires_grad_(need) for buffer, need in zip(inputs, needs)]
         with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
             outputs = plan.call(leaves)
-        entry.kept = _Kept(inputs, needs, leaves, weights, outputs)
+        entry.kept = _Kept(inputs, leaves, weights, outputs)
 
     try:
         graph = torch.cuda.CUDAGraph()

@@ -161,8 +161,7 @@ def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
     """A reentrant checkpoint of `function(*args, **kwargs)` (transformers passes the layer's call with its keyword
     arguments bound), replayed from CUDA graphs for input shapes it has met before."""
     plan, params = _plan_call(function, args, kwargs, graphs)
-    flat_out = _GraphedCheckpoint.apply(plan, *plan.tensors, *params)
-    return tree_unflatten(list(flat_out), plan.out_spec)
+    return plan.unflatten(_GraphedCheckpoint.apply(plan, *plan.tensors, *params))
 
 
 def _plan_call(function, args, kwargs, graphs: LayerGraphs):
@@ -200,6 +199,9 @@ class _Plan:
         args, kwargs = tree_unflatten(leaves, self.spec)
         flat, self.out_spec = tree_flatten(self.function(*args, **kwargs))
         return flat
+
+    def unflatten(self, flat_out):  # the layer's output, rebuilt from the flat tensors a graphed call returns
+        return tree_unflatten(list(flat_out), self.out_spec)
 
 
 def _generator(tensors):
