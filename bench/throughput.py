@@ -77,6 +77,9 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # fifty-fifth device call: the recompute reuses its forward's LoRA products (lever down_once), taken out
+        run("w2048", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
         # fifty-first device call: auto-fit leaves the last layers unrecomputed where the budget holds their
         # activations (RunConfig.no_recompute_layers), taken out
         run("w2048", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,

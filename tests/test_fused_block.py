@@ -80,6 +80,25 @@ def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
     _same([off], [on])
 
 
+def test_without_gradients_the_last_add_runs_inside_down_s_gemm(tiny_cfg, monkeypatch):
+    """Under no_grad (a checkpoint's first forward, evaluation) each layer's last residual add is the beta of down's
+    GEMM: no separate add, the stock layer's logits."""
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+    model = _model(tiny_cfg)
+    model.eval()
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    fused_block.install(model, liger=False)
+    with_residual = []
+    real = fused_block._mlp
+    monkeypatch.setattr(fused_block, "_mlp", lambda *a, residual=None, **k: with_residual.append(
+        residual is not None) or real(*a, residual=residual, **k))
+    with torch.no_grad():
+        fused = model(input_ids=ids).logits
+    assert with_residual == [True] * len(decoder_of(model).layers)
+    assert torch.allclose(stock, fused, rtol=1e-5, atol=1e-5)
+
+
 def test_lora_on_the_mlp_keeps_its_layers_and_the_same_gradients(tiny_cfg):
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     model = _model(tiny_cfg, targets=["all-linear"])

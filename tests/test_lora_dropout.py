@@ -45,6 +45,7 @@ def test_each_kernel_is_the_dropout_math_with_its_own_mask(dtype, tokens, featur
     torch.testing.assert_close(down.double(), dropped @ a.double().t(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.double(), s * down.double() @ b.double().t(), rtol=2e-2, atol=2e-2)
     assert lora_dropout.dropped_down(x, a, b, seed, p, s, write_out=False)[1] is None
+    assert torch.equal(lora_dropout.out_from_down(down, b, s), out)  # a recompute reusing `down`: the same bits
     grad_a, grad_x = lora_dropout.grads(gd, x, a, seed, p)
     torch.testing.assert_close(grad_a.double(), gd.double().t() @ dropped, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(grad_x.double(), (gd.double() @ a.double()) * keep * lora_dropout.keep_scale(p),

@@ -170,3 +170,143 @@ def test_on_the_gpu_the_kept_weights_give_the_same_steps_eager_and_graphed(tiny_
         for a, b in zip(grads_off, grads_on):
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-4 * a.abs().max().item())
     graphed_layers.reset()
+
+
+class _TorchKernels:
+    """fast.lora_dropout's three calls in torch on the CPU, the mask drawn from the seed's value (the real kernels
+    need a GPU or Triton's interpreter), counting how often the input is read for the rank-r product."""
+
+    def __init__(self):
+        self.products, self.reused, self.made = 0, 0, []
+
+    @staticmethod
+    def mask(seed, shape, p):
+        return torch.rand(shape, generator=torch.Generator().manual_seed(int(seed.item()))) >= p
+
+    def out_from_down(self, down, b, scaling):
+        self.reused += 1
+        return scaling * (down @ b.t())
+
+    def dropped_down(self, flat, a, b, seed, p, scaling, write_out=True):
+        self.products += 1
+        down = (flat * self.mask(seed, flat.shape, p) / (1 - p)) @ a.t()
+        self.made.append(down)
+        return down, (scaling * (down @ b.t()) if write_out else None)
+
+    def grads(self, grad_down, flat, a, seed, p):
+        keep = self.mask(seed, flat.shape, p) / (1 - p)
+        return grad_down.t() @ (flat * keep), (grad_down @ a) * keep
+
+
+def _with_torch_kernels(model, monkeypatch):
+    from nb_helpers.fast import lora_dropout
+
+    fake = _TorchKernels()
+    monkeypatch.setattr(lora_dropout, "usable", lambda flat, a, outputs=0: True)
+    for name in ("dropped_down", "out_from_down", "grads"):
+        monkeypatch.setattr(lora_dropout, name, getattr(fake, name))
+    for module in model.modules():
+        if hasattr(module, "_nb_dropout_kernels"):
+            module._nb_dropout_kernels = True
+    return fake
+
+
+@pytest.mark.parametrize("targets", [None, ["all-linear"]])
+def test_the_recompute_reuses_its_forward_s_lora_products_with_the_same_gradients(tiny_cfg, monkeypatch, targets):
+    """Lever down_once: each LoRA layer's rank-r product is made once, in the checkpoint's first forward, and the
+    recompute writes its output from it; the loss and gradients are bit for bit those of making it again (with
+    all-linear the dead down projection's LoRA reuses it too, and writes nothing)."""
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(4))
+    model = fused_model(tiny_cfg, targets=targets, fused_block=False)
+    fake = _with_torch_kernels(model, monkeypatch)
+    loras = sum(hasattr(m, "_nb_dropout_kernels") for m in model.modules())
+    use_checkpoints(model, dead_tail=True, down_once=False)
+    runs_off = [train_step(model, ids) for _ in range(2)]  # the first probes the dead product
+    use_checkpoints(model, dead_tail=True, down_once=True)
+    train_step(model, ids)  # marking again probes again
+    fake.products = fake.reused = 0
+    run_on = train_step(model, ids)
+    assert fake.products == loras  # the forward's only
+    dead = len(decoder_of(model).layers) if targets else 0  # all-linear: down_proj's LoRA writes no output
+    assert fake.reused == loras - dead
+    assert torch.equal(runs_off[1][0], run_on[0])
+    for a, b in zip(runs_off[1][1], run_on[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_each_recompute_reads_its_own_forward_s_products_and_they_are_freed(tiny_cfg, monkeypatch):
+    """Two forwards before one backward (two checkpoints per layer alive at once): each recompute reads its own
+    forward's products, so the gradients are those of the lever off; after the backward nothing of them is left."""
+    import gc
+    import weakref
+
+    first, second = (torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (5, 6))
+    model = fused_model(tiny_cfg, fused_block=False)
+    fake = _with_torch_kernels(model, monkeypatch)
+
+    def two_forwards():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        (model(input_ids=first, labels=first).loss + model(input_ids=second, labels=second).loss).backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    use_checkpoints(model, dead_tail=True, down_once=False)
+    two_forwards()  # the probe
+    off = two_forwards()
+    use_checkpoints(model, dead_tail=True, down_once=True)
+    two_forwards()
+    fake.made.clear()
+    on = two_forwards()
+    assert fake.reused > 0
+    for a, b in zip(off, on, strict=True):
+        assert torch.equal(a, b)
+    made = [weakref.ref(t) for t in fake.made]
+    fake.made.clear()
+    gc.collect()
+    assert made and not any(ref() is not None for ref in made)
+    assert recompute.stash_of_forward() is None and recompute.stashed(object()) is None
+
+
+def test_outside_a_checkpointed_forward_nothing_is_stashed(tiny_cfg, monkeypatch):
+    """Evaluation (no_grad, no checkpoint) and a layer not marked for the lever leave nothing for a recompute."""
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(7))
+    model = fused_model(tiny_cfg, fused_block=False)
+    fake = _with_torch_kernels(model, monkeypatch)
+    use_checkpoints(model, dead_tail=True, down_once=False)
+    train_step(model, ids)
+    fake.reused = 0
+    train_step(model, ids)
+    assert fake.reused == 0 and not any(layer._nb_down_once for layer in decoder_of(model).layers)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert recompute.stash_of_forward() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs,offload", [(False, False), (False, True), (True, False)])
+def test_on_the_gpu_the_reused_lora_products_give_the_same_bits_eager_graphed_and_offloaded(tiny_cfg, graphs, offload,
+                                                                                            monkeypatch):
+    """Lever down_once with the real dropout kernels, the fused MLP block, liger's kernels and bf16, as W512
+    (graphed) and W2048 (offloaded) run it: the recompute writes its LoRA outputs from the forward's products (the
+    same kernel, reading them), so three steps match the lever off bit for bit."""
+    from nb_helpers.fast import graphed_layers, lora_dropout
+
+    reused = []
+    real = lora_dropout.out_from_down
+    monkeypatch.setattr(lora_dropout, "out_from_down", lambda *a: reused.append(1) or real(*a))
+    graphed_layers.reset()
+    model = fused_model(tiny_cfg, dtype="bfloat16", kernels=True)
+    assert all(m._nb_dropout_kernels for m in model.modules() if hasattr(m, "_nb_dropout_kernels"))
+    ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs, down_once=False)
+    off = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
+    graphed_layers.reset()
+    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs, down_once=True)
+    on = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
+    assert reused
+    for (loss_off, grads_off), (loss_on, grads_on) in zip(off, on, strict=True):
+        assert torch.equal(loss_off, loss_on), (loss_off, loss_on)
+        for a, b in zip(grads_off, grads_on, strict=True):
+            assert torch.equal(a, b)
+    graphed_layers.reset()

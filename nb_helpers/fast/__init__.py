@@ -144,9 +144,11 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
+    ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
-        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized"):
+        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
+                      "down_once"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

@@ -54,11 +54,13 @@ def tail_lever_on(model=None) -> bool:
 def set_checkpoint_offload(model, offload: bool) -> None:
     """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
     (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
-    it, keeping its dequantized weights for the backward (lever keep_dequantized, fast.recompute.keeps_weights)."""
+    it, reusing its forward's LoRA products (lever down_once) and keeping its dequantized weights for the backward
+    (lever keep_dequantized, fast.recompute.keeps_weights)."""
     from torch.utils.checkpoint import checkpoint
 
     graphs, tail = graphs_on(model), tail_lever_on(model)
     keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
+    down_once = options_of(model).down_once
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     layers = compat.checkpointed_layers(model)
     first_kept = len(layers) - min(len(layers), no_recompute_layers(model))  # the last layers keep activations
@@ -67,7 +69,7 @@ def set_checkpoint_offload(model, offload: bool) -> None:
             recompute.mark(layer, False)
             compat.set_checkpoint_function(layer, kept_function(layer, graphs))
             continue
-        recompute.mark(layer, tail, keep)
+        recompute.mark(layer, tail, keep, down_once)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)

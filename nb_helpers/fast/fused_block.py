@@ -11,7 +11,8 @@ activations whose work a neighbour can do. At 8 x 2048 tokens on an H200 one pas
   * The residual add before the MLP's norm and the norm itself are liger-kernel's fused add + RMSNorm: one kernel
     forward, one backward (which adds the residual's gradient too), where the stock layer runs two each way.
   * The layer's last residual add, in such a recompute, is skipped: its value is thrown away (the checkpoint's
-    backward needs only the gradient path), so an uninitialised tensor with the add's backward stands for it.
+    backward needs only the gradient path), so an uninitialised tensor with the add's backward stands for it. Under
+    no_grad (a checkpoint's first forward, evaluation) that add runs inside down's GEMM instead (beta=1).
 
 Each piece runs only where it applies, and the stock code runs otherwise: LoRA or a bias on the MLP, an activation
 other than SiLU, no liger (CPU) for the norm. fast.compat checks that Llama's layer still has the shape copied here.
@@ -48,10 +49,11 @@ def _swiglu_backward(gate, up, grad, liger: bool):
             (grad32 * gate32 * sigmoid).to(up.dtype))
 
 
-def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep: bool = False):
+def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep: bool = False, residual=None):
     """(the MLP's output, gate's output, up's output, gate's and up's dequantized weights where `keep`, else Nones).
     Called directly under no_grad (a checkpoint's first forward, evaluation): the same kernels without an autograd
-    function to set up."""
+    function to set up. `residual`: added inside down's GEMM (beta=1), where the layer would add it in a pass of its
+    own over the output (rounded once instead of twice)."""
     kept = []
     for weight in (gate, up):  # without `keep` each dequantized weight is freed before the next one is made
         dequantized = _dequantize(weight, direct).to(x.dtype)
@@ -60,6 +62,10 @@ def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep:
     (gate_out, gate_w), (up_out, up_w) = kept
     if dead:
         out = gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0])
+    elif residual is not None:
+        act = _swiglu(gate_out, up_out, liger)
+        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), act.reshape(-1, act.shape[-1]),
+                          _dequantize(down, direct).to(x.dtype).t()).view(residual.shape)
     else:
         out = frozen_linear(_swiglu(gate_out, up_out, liger), down, direct=direct)
     return out, gate_out, up_out, (gate_w, up_w)
@@ -133,6 +139,10 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                                       position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
                                       position_embeddings=position_embeddings, **kwargs)
     hidden_states, residual = _add_norm(hidden_states, residual, self.post_attention_layernorm, self._nb_liger_norm)
+    if not torch.is_grad_enabled() and hasattr(self.mlp, "_nb_liger") and residual.dtype == hidden_states.dtype:
+        mlp = self.mlp  # the fused MLP: the last add inside its down GEMM
+        weights = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        return _mlp(hidden_states, *weights, mlp._nb_direct, mlp._nb_liger, residual=residual)[0]
     hidden_states = self.mlp(hidden_states)
     if recompute.is_dead(self.mlp.down_proj):
         return _ThrownAwayAdd.apply(residual, hidden_states)

@@ -131,18 +131,22 @@ def _probe_kernels():
 
 
 def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False,
-                 dropout_kernels: bool = False, keep: bool = False):
+                 dropout_kernels: bool = False, keep: bool = False, down=None):
     """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
     evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws. `dead`: the
     output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it.
     `dropout_kernels`: the dropout is drawn inside the rank-r products (fast.lora_dropout), from a seed the backward
-    keeps instead of a dropped copy and a mask. `keep`: the dequantized weight is saved for the backward too."""
+    keeps instead of a dropped copy and a mask. `keep`: the dequantized weight is saved for the backward too.
+    `down`: the rank-r product this call's checkpointed forward made (fast.recompute.stashed), reused, not remade."""
     flat = x.reshape(-1, x.shape[-1])
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
     base = None if dead else _dequantize(weight, direct).to(x.dtype)
     if dropout_p > 0 and dropout_kernels and lora_dropout.usable(flat, a, b.shape[0]):
-        seed = lora_dropout.draw_seed(flat.device)
-        down, out = lora_dropout.dropped_down(flat, a, b, seed, dropout_p, scaling, write_out=not dead)
+        seed = lora_dropout.draw_seed(flat.device)  # drawn even when reused: the generator moves as in the forward
+        if down is not None and down.shape == (flat.shape[0], a.shape[0]) and down.dtype == flat.dtype:
+            out = None if dead else lora_dropout.out_from_down(down, b, scaling)
+        else:
+            down, out = lora_dropout.dropped_down(flat, a, b, seed, dropout_p, scaling, write_out=not dead)
         if not dead:  # LoRA's share first: the base GEMM adds into it (beta=1), no separate pass over the output
             out.addmm_(flat, base.t())
             if bias is not None:
@@ -165,9 +169,9 @@ class LoRA4bitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False,
-                dead: bool = False, dropout_kernels: bool = False):
+                dead: bool = False, dropout_kernels: bool = False, down=None):
         out, saved = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct, dead, dropout_kernels,
-                                  keep=recompute.keeps_weights())
+                                  keep=recompute.keeps_weights(), down=down)
         ctx.save_for_backward(*saved)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -188,7 +192,7 @@ class LoRA4bitLinear(torch.autograd.Function):
                 grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
         grad_x.addmm_(grad, _weight_for_backward(kept, ctx.weight, ctx.direct, grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
-                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None)
+                grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None, None)
 
 
 def _weight_for_backward(kept, weight, direct: bool, dtype):
@@ -230,8 +234,12 @@ def _lora_forward(self, x, *args, **kwargs):
     args = (x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]),
             p, self._nb_direct)
     if not torch.is_grad_enabled():
-        return _lora_linear(*args, False, self._nb_dropout_kernels)[0]
-    out = LoRA4bitLinear.apply(*args, recompute.is_dead(self), self._nb_dropout_kernels)
+        out, saved = _lora_linear(*args, False, self._nb_dropout_kernels)
+        stash = recompute.stash_of_forward()
+        if stash is not None and saved[5] is not None:  # the kernels' rank-r product, for this checkpoint's recompute
+            stash[self] = saved[1]
+        return out
+    out = LoRA4bitLinear.apply(*args, recompute.is_dead(self), self._nb_dropout_kernels, recompute.stashed(self))
     recompute.returned(self)
     return out
 

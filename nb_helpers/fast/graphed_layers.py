@@ -62,9 +62,7 @@ class _Shared:
     """Per device: the capture stream, the one memory pool, and the buffers per input signature."""
 
     def __init__(self, device):
-        self.stream = _capture_stream(device)
-        self.pool = None
-        self.buffers: dict = {}
+        self.stream, self.pool, self.buffers = _capture_stream(device), None, {}
 
     def pool_for_capture(self):
         """The pool every live graph shares, or a fresh one when no graph is alive: a pool handle is only an id, and
@@ -79,9 +77,7 @@ _SHARED: dict = {}
 
 
 def _shared(device) -> _Shared:
-    if device.index not in _SHARED:
-        _SHARED[device.index] = _Shared(device)
-    return _SHARED[device.index]
+    return _SHARED[device.index] if device.index in _SHARED else _SHARED.setdefault(device.index, _Shared(device))
 
 
 def reset() -> None:
@@ -105,8 +101,7 @@ class LayerGraphs:
     live: "weakref.WeakSet[LayerGraphs]" = weakref.WeakSet()
 
     def __init__(self, layer):
-        self.layer_name = type(layer).__name__
-        self.entries: dict = {}
+        self.layer_name, self.entries = type(layer).__name__, {}
         LayerGraphs.live.add(self)
 
     def entry(self, key):
@@ -122,11 +117,10 @@ class LayerGraphs:
 class _Entry:
     def __init__(self):
         self.forward = self.backward = None  # torch.cuda.CUDAGraph, once captured
-        self.failed = False
-        self.buffers = self.out_spec = None
-        self.param_grads: list = []
+        self.failed, self.buffers, self.out_spec, self.param_grads = False, None, None, []
         self.warmed = False  # a layer that keeps its activations: its first call of this shape ran eagerly
         self.kept = None  # and what its graphs read and write (fast.graphed_kept._Kept)
+        self.stash: dict = {}  # what the forward graph leaves for the backward graph's recompute (fast.recompute)
 
 
 class _Buffers:
@@ -186,6 +180,7 @@ class _Plan:
         self.mask = [isinstance(leaf, torch.Tensor) for leaf in leaves]
         self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self.others = [leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)]
+        self.stash: dict = {}  # an eager call's forward leaves this for its recompute (fast.recompute.forwarding)
         on_cuda = signature is not None and all(t[3] == "cuda" for t in signature[0]) and bool(signature[0])
         self.entry = graphs.entry(signature) if on_cuda else None
         self.out_spec = self.entry.out_spec if self.entry is not None else None
@@ -227,9 +222,11 @@ class _GraphedCheckpoint(torch.autograd.Function):
             for buffer, tensor in zip(entry.buffers.inputs, tensors):
                 buffer.copy_(tensor)
             entry.forward.replay()
-            plan.out_spec = entry.out_spec
+            plan.out_spec, ctx.stash = entry.out_spec, entry.stash
             return tuple(out.clone() for out in entry.buffers.outputs)
-        return tuple(plan.call(tensors))
+        ctx.stash = plan.stash
+        with recompute.forwarding(plan.layer, plan.stash):
+            return tuple(plan.call(tensors))
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -243,7 +240,8 @@ class _GraphedCheckpoint(torch.autograd.Function):
             if entry is not None and entry.backward is not None:
                 grads = _replay_backward(entry, tensors, grad_outputs)
             else:
-                input_grads, param_grads = _differentiate(plan, tensors, ctx.needs, grad_outputs, ctx.autocast)
+                input_grads, param_grads = _differentiate(plan, tensors, ctx.needs, grad_outputs, ctx.autocast,
+                                                          ctx.stash)
                 grads = input_grads + param_grads
         finally:
             ctx.generator.set_state(now)
@@ -272,11 +270,12 @@ def _aliased_weights(owners):
             module._parameters[name] = param
 
 
-def _differentiate(plan, tensors, needs, grad_outputs, autocast):
-    """The recompute and its gradients: for each input (None where it needs none), then for the trainable weights."""
+def _differentiate(plan, tensors, needs, grad_outputs, autocast, stash=None):
+    """The recompute (reading what its forward left in `stash`) and its gradients: for each input (None where it
+    needs none), then for the trainable weights."""
     inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
     with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
-        with recompute.recomputing(plan.layer):
+        with recompute.recomputing(plan.layer, stash):
             outputs = plan.call(inputs)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
         wrt = [t for t in inputs if t.requires_grad] + weights
@@ -331,7 +330,7 @@ def _capture_forward(plan, entry, tensors, ctx) -> None:
     outputs: list = []
 
     def run():
-        with torch.no_grad(), _autocast(ctx.autocast):
+        with torch.no_grad(), _autocast(ctx.autocast), recompute.forwarding(plan.layer, entry.stash):
             flat = plan.call(entry.buffers.inputs if entry.buffers else tensors)
         if entry.buffers is None:
             outputs.extend(flat)
@@ -366,7 +365,7 @@ def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
 
     def run():
         input_grads, param_grads = _differentiate(plan, buffers.inputs, ctx.needs, buffers.grad_outputs,
-                                                  ctx.autocast)
+                                                  ctx.autocast, entry.stash)
         for buffer, grad in zip(buffers.grad_inputs, input_grads):
             if buffer is not None:
                 buffer.copy_(grad)

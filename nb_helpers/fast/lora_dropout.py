@@ -95,8 +95,22 @@ def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = T
     rows, cols = _row_tile(tokens), _col_tile(features)
     kernels().down_kernel[(-(-tokens // rows),)](
         flat, a.contiguous(), b.contiguous(), down, out, seed, tokens, features, rank, outputs, threshold(p),
-        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=cols, BN=128, WRITE_OUT=write_out, num_warps=4)
+        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=cols, BN=128, WRITE_OUT=write_out, FROM_DOWN=False,
+        num_warps=4)
     return down, (out if write_out else None)
+
+
+def out_from_down(down, b, scaling: float):
+    """scaling * down B^T from a `down` dropped_down made before (a recompute reusing its forward's, lever down_once):
+    the bits dropped_down writes for it, with neither the input read nor the mask drawn again."""
+    tokens, rank = down.shape
+    outputs = b.shape[0]
+    out = torch.empty(tokens, outputs, dtype=down.dtype, device=down.device)
+    kernels().down_kernel[(-(-tokens // _row_tile(tokens)),)](
+        down, b, b.contiguous(), down, out, down, tokens, FEATURE_STEP, rank, outputs, 0, 1.0, scaling,
+        R=_rank_tile(rank), BT=_row_tile(tokens), BK=FEATURE_STEP, BN=128, WRITE_OUT=True, FROM_DOWN=True,
+        num_warps=4)
+    return out
 
 
 def grads(grad_down, flat, a, seed, p: float):

@@ -28,22 +28,26 @@ def keep_mask(seed, rows, col0, features, threshold, BT: tl.constexpr, BK: tl.co
 @triton.jit
 def down_kernel(x_ptr, a_ptr, b_ptr, down_ptr, out_ptr, seed_ptr, tokens, features, rank, outputs, threshold,
                 inv_keep, scaling, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                WRITE_OUT: tl.constexpr):
+                WRITE_OUT: tl.constexpr, FROM_DOWN: tl.constexpr):
     """down = dropout(x) A^T (tokens x rank); with WRITE_OUT also out = scaling * down B^T (tokens x outputs), into
-    which the base GEMM then adds. x is read once; neither the dropped copy nor the mask is written."""
+    which the base GEMM then adds. x is read once; neither the dropped copy nor the mask is written. FROM_DOWN: `down`
+    is read, not computed (a recompute reusing its forward's): x and the mask are not touched, `out` the same bits."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     ranks = tl.arange(0, R)
-    seed = tl.load(seed_ptr)
-    acc = tl.zeros((BT, R), dtype=tl.float32)
-    for col0 in range(0, features, BK):
-        cols = col0 + tl.arange(0, BK)
-        x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=rows[:, None] < tokens, other=0.0)
-        x = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), x, 0.0).to(x.dtype)
-        a = tl.load(a_ptr + ranks[None, :] * features + cols[:, None], mask=ranks[None, :] < rank, other=0.0)
-        acc += tl.dot(x, a.to(x.dtype))
-    down = (acc * inv_keep).to(down_ptr.dtype.element_ty)  # rounded as torch's (dropped @ A^T) is
-    tl.store(down_ptr + rows[:, None] * rank + ranks[None, :], down,
-             mask=(rows[:, None] < tokens) & (ranks[None, :] < rank))
+    inside = (rows[:, None] < tokens) & (ranks[None, :] < rank)
+    if FROM_DOWN:
+        down = tl.load(down_ptr + rows[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
+    else:
+        seed = tl.load(seed_ptr)
+        acc = tl.zeros((BT, R), dtype=tl.float32)
+        for col0 in range(0, features, BK):
+            cols = col0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=rows[:, None] < tokens, other=0.0)
+            x = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), x, 0.0).to(x.dtype)
+            a = tl.load(a_ptr + ranks[None, :] * features + cols[:, None], mask=ranks[None, :] < rank, other=0.0)
+            acc += tl.dot(x, a.to(x.dtype))
+        down = (acc * inv_keep).to(down_ptr.dtype.element_ty)  # rounded as torch's (dropped @ A^T) is
+        tl.store(down_ptr + rows[:, None] * rank + ranks[None, :], down, mask=inside)
     if WRITE_OUT:
         for n0 in range(0, outputs, BN):
             ns = n0 + tl.arange(0, BN)

@@ -41,6 +41,9 @@ class FastOptions:
     #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
     fewer_recomputes: bool = True  # auto-fit leaves the last layers unrecomputed where the budget holds their
     #                                activations (RunConfig.no_recompute_layers; fast.checkpoints); CUDA, checkpointing
+    down_once: bool = True  # a checkpointed layer's recompute reuses its forward's LoRA products dropout(x) A^T
+    #                         (tokens x r each) instead of reading x and drawing the mask again (fast.recompute);
+    #                         CUDA, dead_tail, dropout_kernels
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50), so not on by default
@@ -147,6 +150,8 @@ LEVERS = {
                          "GPU busy 13.6 against 13.8 us/token at 8 x 2048 (2 layers; 63,249 against 63,039 tokens/s), "
                          "13.7 against 14.1 at 8 x 512 (3 layers, graphed; 49,415 against 44,072), for 3.70-3.78 of "
                          "4 GiB (call 54)"),
+    "down_once": ("the recompute reuses its forward's LoRA products dropout(x) A^T: the input is not read and the "
+                  "mask not drawn a third time", "not measured yet"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
                          "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),

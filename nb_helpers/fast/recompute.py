@@ -13,6 +13,11 @@ dead in every later recompute of that decoder layer. Gemma's norm after the MLP 
 
 torch's non-reentrant checkpoint stops its recompute early in the same way; the reentrant checkpoints the fast path
 runs (and their CUDA graphs, fast.graphed_layers) do not, hence this. Lever `dead_tail` (fast.options).
+
+The recompute also reuses what its forward made and kept (lever `down_once`): each LoRA layer's rank-r product
+dropout(x) A^T, tokens x r, which the dropout kernels (fast.lora_dropout) would otherwise make again by reading the
+input and drawing the mask once more. The checkpoint's first forward leaves it in a stash that lives as long as that
+one checkpoint (or, for a CUDA graph, as long as the graph), so a recompute only ever reads its own forward's.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 _ACTIVE: list = []  # the recomputes running now, innermost last (the autograd thread that runs the backward)
+_FORWARDS: list = []  # the stashes of the checkpointed forwards running now (lever down_once)
 
 
 class _Recompute:
-    def __init__(self, layer):
+    def __init__(self, layer, stash=None):
         self.skip = getattr(layer, "_nb_dead_tail", None)  # the dead module; False: none; None: not probed yet
         self.keep_weights = getattr(layer, "_nb_keep_weights", False)
+        self.stash = stash if getattr(layer, "_nb_down_once", False) else None
         self.probing = self.skip is None
         self.last = None  # the last 4-bit linear layer that returned
         self.saved_after_last = False
@@ -44,6 +51,33 @@ def keeps_weights() -> bool:
     return bool(_ACTIVE) and _ACTIVE[-1].keep_weights
 
 
+def stash_of_forward():
+    """The stash a fused LoRA layer leaves its rank-r product in: this is a checkpointed layer's first forward with
+    lever down_once; else None."""
+    return _FORWARDS[-1] if _FORWARDS else None
+
+
+def stashed(module):
+    """What `module` left in the stash in this recompute's forward, or None."""
+    stash = _ACTIVE[-1].stash if _ACTIVE else None
+    return None if stash is None else stash.get(module)
+
+
+@contextmanager
+def forwarding(layer, stash: dict):
+    """Around a checkpointed decoder layer's first forward (no_grad): its LoRA layers leave their rank-r products in
+    `stash`, which the same checkpoint's recompute then reads (recomputing(layer, stash)). A no-op unless the layer
+    is marked for lever down_once."""
+    if not getattr(layer, "_nb_down_once", False):
+        yield
+        return
+    _FORWARDS.append(stash)
+    try:
+        yield
+    finally:
+        _FORWARDS.pop()
+
+
 def returned(module) -> None:
     """A fused 4-bit layer's forward returned (what the probe needs to know which layer came last)."""
     if _ACTIVE and _ACTIVE[-1].probing:
@@ -51,15 +85,15 @@ def returned(module) -> None:
 
 
 @contextmanager
-def recomputing(layer):
+def recomputing(layer, stash: dict | None = None):
     """Around a decoder layer's recompute. The layer's first one is the probe; later ones skip its dead product.
-    A no-op unless the layer was marked for the lever (mark)."""
+    `stash`: what this checkpoint's forward left (forwarding). A no-op unless the layer was marked (mark)."""
     if not getattr(layer, "_nb_tail_lever", False):
         yield
         return
     import torch
 
-    state = _Recompute(layer)
+    state = _Recompute(layer, stash)
     _ACTIVE.append(state)
     try:
         if not state.probing:
@@ -77,10 +111,12 @@ def recomputing(layer):
         _ACTIVE.pop()
 
 
-def mark(layer, on: bool, keep_weights: bool = False) -> None:
+def mark(layer, on: bool, keep_weights: bool = False, down_once: bool = False) -> None:
     """Switch the lever for one decoder layer; switching it (back) on probes again at the next recompute.
-    `keep_weights`: its recompute also keeps the dequantized weights for the backward (keeps_weights)."""
+    `keep_weights`: its recompute also keeps the dequantized weights for the backward (keeps_weights).
+    `down_once`: its recompute reuses its forward's LoRA products (forwarding, stashed)."""
     layer._nb_tail_lever, layer._nb_keep_weights = bool(on), bool(on and keep_weights)
+    layer._nb_down_once = bool(on and down_once)
     layer._nb_dead_tail = None
 
 
@@ -91,13 +127,16 @@ def dead_module(layer):
 
 def tail_aware_checkpoint(function, *args, layer, checkpoint, **kwargs):
     """A reentrant `checkpoint` of `function` whose recompute (the call with gradients on: a reentrant checkpoint runs
-    its first forward under no_grad) runs inside recomputing(layer)."""
+    its first forward under no_grad) runs inside recomputing(layer), and its first forward inside forwarding(layer)."""
     import torch
+
+    stash: dict = {}  # this checkpoint's own: the checkpoint keeps `run`, so it lives until its backward is done
 
     def run(*inner_args, **inner_kwargs):
         if not torch.is_grad_enabled():
-            return function(*inner_args, **inner_kwargs)
-        with recomputing(layer):
+            with forwarding(layer, stash):
+                return function(*inner_args, **inner_kwargs)
+        with recomputing(layer, stash):
             return function(*inner_args, **inner_kwargs)
 
     return checkpoint(run, *args, **kwargs)

@@ -118,6 +118,15 @@ def lora_bytes_per_token(shape: Shape, inp: PlanInput) -> float:
     return down + sum((2 + mask) * dims[t][0] for t in targets)
 
 
+def stashed_down_bytes(shape: Shape, inp: PlanInput) -> float:
+    """Each recomputed layer's LoRA products dropout(x) A^T (tokens x r, 16-bit, every target), which its checkpointed
+    forward keeps for the recompute (lever down_once, fast.recompute): alive from the forward to that layer's
+    backward."""
+    if not (inp.down_once and inp.dropout_kernels and inp.lora_dropout > 0):
+        return 0.0
+    return recomputed_layers(shape, inp) * inp.tokens * 2 * inp.rank * len(plan_targets(shape, inp.targets))
+
+
 def sliding_layers_masked(shape: Shape, inp: PlanInput) -> int:
     """Layers whose window is shorter than the sequence: they run with a mask (a window as long as the sequence
     changes nothing, and transformers skips the mask then)."""
@@ -147,7 +156,7 @@ def kept_activation_bytes(shape: Shape, inp: PlanInput, padded: bool) -> tuple[f
         kept += (L - recomputed) * max(per_layer, per_sliding) * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T
-    kept += shared + rb * h * T  # + the final norm's input
+    kept += shared + rb * h * T + stashed_down_bytes(shape, inp)  # + the final norm's input
     return kept, max(per_layer, per_sliding)  # the layer being recomputed: the larger kind, to be safe
 
 

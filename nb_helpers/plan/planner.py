@@ -105,6 +105,7 @@ class PlanInput:
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
     absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
     keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
+    down_once: bool = False  # with GC and dropout_kernels: the recompute reuses its forward's LoRA products (stashed)
     no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
 
     @property
@@ -322,6 +323,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     and keeps_decoded_absmax(shape.linear_params, budget),
                     keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail()
                     and keeps_dequantized_weights(shape, budget),
+                    down_once=fast.down_once and fast.skips_dead_tail(),
                     no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0)
     return plan(shape, inp, budget_gib=budget)
 

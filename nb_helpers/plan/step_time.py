@@ -12,7 +12,8 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
                  double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax); the backward reuses
                  the recompute's weights where they are kept (fast.recompute.keeps_weights)
     (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params;
-    the last no_recompute_layers layers are not recomputed at all: recomputed_layers)
+    the last no_recompute_layers layers are not recomputed at all: recomputed_layers; it reuses its forward's LoRA
+    products where lever down_once stashes them)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
                  (liger's fused kernels touch fewer), and a fixed cost per layer pass
 
@@ -100,6 +101,9 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     dequantized, dequantizes = weights_per_pass - kept * recomputed * layers, gemms - kept * recomputed_gemms * layers
     targets = plan_targets(shape, inp.targets)
     lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
+    # the recompute reusing its forward's rank-r products (lever down_once) writes its outputs and reads no input
+    reused = gc * bool(getattr(inp, "down_once", False) and getattr(inp, "dropout_kernels", False)
+                       and inp.lora_dropout > 0)
     forward_attention = 2 * 2 * batch * shape.heads * shape.head_dim * seq  # times the keys each query sees
     attention_passes = 1 + gc + BACKWARD_OVER_FORWARD
     full_layers = layers - shape.sliding_layers
@@ -109,7 +113,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     return {
         "matmul_flops": 2 * tokens * weights_per_pass + 4 * tokens * shape.hidden * shape.vocab,
         "gemm_launches": gemms + 2,
-        "lora_bytes": layers * lora_passes * sum(2 * tokens * (dims[t][0] + dims[t][1]) for t in targets),
+        "lora_bytes": layers * sum(2 * tokens * ((lora_passes - 2 * reused) * (dims[t][0] + dims[t][1])
+                                                 + reused * dims[t][1]) for t in targets),
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
