@@ -86,6 +86,7 @@ def test_without_gradients_the_last_add_runs_inside_down_s_gemm(tiny_cfg, monkey
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
     model = _model(tiny_cfg)
     model.eval()
+    ids = ids.to(model.device)
     with torch.no_grad():
         stock = model(input_ids=ids).logits
     fused_block.install(model, liger=False)

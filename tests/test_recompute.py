@@ -181,7 +181,7 @@ class _TorchKernels:
 
     @staticmethod
     def mask(seed, shape, p):
-        return torch.rand(shape, generator=torch.Generator().manual_seed(int(seed.item()))) >= p
+        return (torch.rand(shape, generator=torch.Generator().manual_seed(int(seed.item()))) >= p).to(seed.device)
 
     def out_from_down(self, down, b, scaling):
         self.reused += 1
@@ -240,8 +240,9 @@ def test_each_recompute_reads_its_own_forward_s_products_and_they_are_freed(tiny
     import gc
     import weakref
 
-    first, second = (torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (5, 6))
     model = fused_model(tiny_cfg, fused_block=False)
+    first, second = (torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(s)).to(model.device)
+                     for s in (5, 6))
     fake = _with_torch_kernels(model, monkeypatch)
 
     def two_forwards():
@@ -279,7 +280,7 @@ def test_outside_a_checkpointed_forward_nothing_is_stashed(tiny_cfg, monkeypatch
     assert fake.reused == 0 and not any(layer._nb_down_once for layer in decoder_of(model).layers)
     model.eval()
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids.to(model.device))
     assert recompute.stash_of_forward() is None
 
 
