@@ -48,9 +48,10 @@ def config_of(row: dict) -> RunConfig:
 
 def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:
     """The plan from a CPU. A point measured before a memory lever existed (LoRA's dropout kernels: call 39; the
-    absmax kept decoded: call 45; the recompute's weights kept: call 49) is planned with it off, as a learner who turns it off plans it (NB_FASTPATH)."""
+    absmax kept decoded: call 45; the recompute's weights kept: call 49; the LoRA products reused: call 55) is planned
+    with it off, as a learner who turns it off plans it (NB_FASTPATH)."""
     shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
-    lever = ",".join(f"{name}=0" for name in ("dropout_kernels", "absmax_once", "keep_dequantized")
+    lever = ",".join(f"{name}=0" for name in ("dropout_kernels", "absmax_once", "keep_dequantized", "down_once")
                      if not row["path"].get(name))
     with patch.dict(os.environ, {"NB_FASTPATH": lever}):
         return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),

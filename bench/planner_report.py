@@ -99,7 +99,13 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call52.json": ("layers not recomputed, 8 x 2048 (call 52, held out)", True, {"w2048"}),
               "raw/throughput-call53.json": ("layers not recomputed, 8 x 512 (call 53, held out)", True, None),
               "raw/throughput-call54.json": ("layers not recomputed, 8 x 2048 and 8 x 512 (call 54, held out)", True,
-                                             None)}
+                                             None),
+              # the recompute reusing its forward's LoRA products (down_once, calls 55 and 57), with and without:
+              # held out
+              "raw/throughput-call55.json": ("LoRA products reused, 8 x 2048 and 8 x 512 (call 55, held out)", True,
+                                             None),
+              "raw/throughput-call57.json": ("LoRA products reused, 8 x 2048 (call 57, held out)", True, None),
+              "raw/throughput-call57b-w512.json": ("LoRA products reused, 8 x 512 (call 57, held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),
@@ -128,7 +134,8 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
                 offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off,
                 dropout_kernels=bool((ran or {}).get("dropout_kernels")),
                 absmax_once=bool((ran or {}).get("absmax_once")),
-                keep_dequantized=bool((ran or {}).get("keep_dequantized")))
+                keep_dequantized=bool((ran or {}).get("keep_dequantized")),
+                down_once=bool((ran or {}).get("down_once")))
 
 
 def rows():

@@ -52,7 +52,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")),
                             dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")),  # from device call 31
                             absmax_once=bool((row.get("fast_levers") or {}).get("absmax_once")),  # from call 45
-                            keep_dequantized=bool((row.get("fast_levers") or {}).get("keep_dequantized")))
+                            keep_dequantized=bool((row.get("fast_levers") or {}).get("keep_dequantized")),
+                            down_once=bool((row.get("fast_levers") or {}).get("down_once")))
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
