@@ -46,7 +46,7 @@ class FastOptions:
     #                         CUDA, dead_tail, dropout_kernels
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
-    # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50), so not on by default
+    # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
     keep_dequantized: bool = False
 
     @classmethod
