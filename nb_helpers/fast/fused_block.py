@@ -109,10 +109,11 @@ class _ThrownAwayAdd(torch.autograd.Function):
         return grad, grad
 
 
-def _mlp_forward(self, x):
+def _mlp_forward(self, x, residual=None):
+    """The MLP's output; under no_grad with `residual`, residual + that output, the add inside down's GEMM."""
     weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
     if not torch.is_grad_enabled():
-        return _mlp(x, *weights, self._nb_direct, self._nb_liger)[0]
+        return _mlp(x, *weights, self._nb_direct, self._nb_liger, residual=residual)[0]
     out = FrozenMLP4bit.apply(x, *weights, self._nb_direct, self._nb_liger, recompute.is_dead(self.down_proj))
     recompute.returned(self.down_proj)
     return out
@@ -140,9 +141,7 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                                       position_embeddings=position_embeddings, **kwargs)
     hidden_states, residual = _add_norm(hidden_states, residual, self.post_attention_layernorm, self._nb_liger_norm)
     if not torch.is_grad_enabled() and hasattr(self.mlp, "_nb_liger") and residual.dtype == hidden_states.dtype:
-        mlp = self.mlp  # the fused MLP: the last add inside its down GEMM
-        weights = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-        return _mlp(hidden_states, *weights, mlp._nb_direct, mlp._nb_liger, residual=residual)[0]
+        return self.mlp(hidden_states, residual=residual)  # the fused MLP: the last add inside its down GEMM
     hidden_states = self.mlp(hidden_states)
     if recompute.is_dead(self.mlp.down_proj):
         return _ThrownAwayAdd.apply(residual, hidden_states)
