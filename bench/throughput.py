@@ -77,6 +77,12 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # fifty-eighth device call: the NF4 dequantize as one Triton kernel (nf4_kernel), the next batches collated in
+        # a DataLoader worker (prefetch), each taken out
+        run("w2048", "no-nf4-kernel", 8, 1, fast="nf4_kernel=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w2048", "no-prefetch", 8, 1, fast="prefetch=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-nf4-kernel", 8, 1, fast="nf4_kernel=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-prefetch", 8, 1, fast="prefetch=0", auto_fit=True, profile=True, steps=steps + 1),
         # fifty-fifth device call: the recompute reuses its forward's LoRA products (lever down_once), taken out
         run("w2048", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
@@ -225,8 +231,8 @@ class Recorder:
             from torch.profiler import ProfilerActivity, profile
 
             torch.cuda.synchronize()
-            host = [ProfilerActivity.CPU] if self.spec.get("trace") else []  # the host's ops too, for trace_gaps.py
-            self.prof = profile(activities=[*host, ProfilerActivity.CUDA])
+            host = [ProfilerActivity.CPU] if self.spec.get("trace") and not self.spec.get("gpu_only") else []
+            self.prof = profile(activities=[*host, ProfilerActivity.CUDA], with_stack=bool(self.spec.get("trace_stack")))
             self.prof.start()
             self.prof_start = time.perf_counter()
         elif len(self.records) == self.profile_from and self.prof is not None and self.prof_start is not None:
@@ -497,6 +503,10 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, default=None, help="profile this step (0-based) instead of the "
                         "last; its time then counts among the timed steps")
     parser.add_argument("--trace", default=None, help="folder: profiled runs also record the host and save a trace")
+    parser.add_argument("--trace-stack", action="store_true", help="with --trace: the host's Python calls too (slower "
+                        "host in that step; for where the host's time goes, not for busy figures)")
+    parser.add_argument("--gpu-trace", default=None, help="folder: profiled runs save their GPU-only timeline (no host "
+                        "recording, so the step runs as untraced ones do)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -545,7 +555,9 @@ def main() -> None:
         if args.profile_step is not None and spec.get("profile"):
             spec["profile_step"] = args.profile_step
         if args.trace and spec.get("profile") and spec["recipe"] != "reference":  # its trace would be 100+ MB
-            spec["trace"] = args.trace
+            spec.update(trace=args.trace, trace_stack=args.trace_stack)
+        elif args.gpu_trace and spec.get("profile"):
+            spec.update(trace=args.gpu_trace, gpu_only=True)
         spec.update(seq=seq, budget=args.budget, model=str(model_dir),
                     data=str(prepare_data(workload, model_dir, work, rows=8 * max(args.steps, 23))))
         spec_path, result_path = work / f"{workload}-{spec['name']}.json", work / f"{workload}-{spec['name']}.out"

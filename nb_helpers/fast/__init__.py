@@ -11,7 +11,7 @@ The course reaches it through this module alone, in four calls:
                                           #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
                                           #   fast.graphed_layers)
     adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
-                                          #   (fast.optimizer_step)
+                                          #   (fast.optimizer_step), signals left to the main process (fast.prefetch)
 
 One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
 API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
@@ -27,7 +27,8 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table"]
+           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table",
+           "loader_args"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -74,6 +75,10 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
+        if fast.nf4_kernel and fast.direct_dequant and model._nb_levers.get("fused_lora"):
+            from nb_helpers.fast.fused_lora import use_nf4_kernel
+
+            record(model, "nf4_kernel", use_nf4_kernel(model))
         if fast.keep_dequantized:
             record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
@@ -114,6 +119,10 @@ def adapt_trainer(trainer, model) -> None:
         from nb_helpers.fast.mask import guard_collator
 
         trainer.data_collator = guard_collator(trainer.data_collator, model)
+    if trainer.args.dataloader_num_workers > 0:
+        from nb_helpers.fast.prefetch import signals_to_main
+
+        trainer.data_collator = signals_to_main(trainer.data_collator)
     if fast is not None and fast.direct_optim:
         from nb_helpers.fast.optimizer_step import install_on_trainer
 
@@ -131,6 +140,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     import torch
 
     from nb_helpers.fast.checkpoints import graphs_on, no_recompute_layers, pad_multiple, tail_lever_on
+    from nb_helpers.fast.prefetch import loader_args
 
     if not torch.cuda.is_available():
         return {}
@@ -143,12 +153,13 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
+    ran["prefetch"] = bool(loader_args(model))
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once"):
+                      "down_once", "nf4_kernel"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)
@@ -210,7 +221,8 @@ LAZY = {
     "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
     "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
-    "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
+    "set_trainer_device": ("compat", "set_trainer_device"),
+    "loader_args": ("prefetch", "loader_args"),  # SFTConfig's DataLoader arguments: a worker collates ahead  # the Trainer's cached device (several CPU processes)
 }
 
 

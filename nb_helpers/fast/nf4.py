@@ -1,0 +1,67 @@
+"""NF4 weights dequantized by one Triton kernel, with the bits bitsandbytes' own kernel writes.
+
+Every step dequantizes each 4-bit weight once per pass (forward, recompute, backward): 440 calls a step on
+TinyLlama-1.1B. bitsandbytes' kDequantizeBlockwise took 3.7 ms of an H200's step for them (8.9 us a call, about 40% of
+what the memory moves), the largest kernel after the GEMMs and attention at 8 x 512. This kernel reads each packed byte
+once, looks its two codes up in the NF4 table and scales them by their block's fp32 absmax (kept decoded by the
+absmax_once lever), in fp32, rounded once: the same arithmetic as bitsandbytes' kernel, so the same bits, which the
+GPU tests check. FP4 weights and any weight whose absmax is not kept in fp32 stay on bitsandbytes' kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from nb_helpers.frontend import say_once
+
+TABLE = "_nb_nf4_table"  # a QuantState's NF4 table on its device, set by mark(): the kernel runs for it
+# bitsandbytes' dDequantizeNF4 (csrc/kernels.cu), code 0 to 15, as fp32 literals
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+BYTES = 1024  # packed bytes a program: 2,048 values, 4 KiB of bf16 written
+
+
+@functools.lru_cache(maxsize=1)
+def kernels():
+    """fast.nf4_kernels, or None (the reason said once) where Triton cannot be imported."""
+    try:
+        from nb_helpers.fast import nf4_kernels
+    except Exception as e:  # noqa: BLE001 - Triton missing or broken: bitsandbytes' kernels run instead
+        say_once("nf4-kernel", f"[fast] NF4 dequantize kernel off: Triton is not importable ({type(e).__name__}); "
+                               "bitsandbytes' kernels run (the same bits)")
+        return None
+    return nf4_kernels
+
+
+def takes(state) -> bool:
+    """Whether the kernel can take this weight: NF4 on CUDA, 16-bit output, blocks of an even size."""
+    return (state.quant_type == "nf4" and state.absmax.is_cuda and state.dtype in (torch.bfloat16, torch.float16)
+            and state.blocksize % 2 == 0)
+
+
+def mark(states) -> int:
+    """Give each QuantState the kernel takes its table on its device (made here, before any CUDA graph is captured:
+    a tensor first made inside a capture would not exist outside it). Returns how many were marked."""
+    if kernels() is None:
+        return 0
+    tables: dict = {}
+    marked = 0
+    for state in states:
+        if takes(state):
+            device = state.absmax.device
+            tables.setdefault(device, torch.tensor(NF4, dtype=torch.float32, device=device))
+            setattr(state, TABLE, tables[device])
+            marked += 1
+    return marked
+
+
+def dequantize(packed, absmax, state) -> torch.Tensor:
+    """The weight in state.dtype from its packed bytes and its blocks' fp32 absmax."""
+    out = torch.empty(state.shape, dtype=state.dtype, device=packed.device)
+    values = out.numel()
+    kernels().dequantize_kernel[(-(-values // (2 * BYTES)),)](
+        packed, absmax, getattr(state, TABLE), out, values, BLOCKSIZE=state.blocksize, BYTES=BYTES, num_warps=4)
+    return out
