@@ -75,10 +75,6 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
-        if fast.nf4_kernel and fast.direct_dequant and model._nb_levers.get("fused_lora"):
-            from nb_helpers.fast.fused_lora import use_nf4_kernel
-
-            record(model, "nf4_kernel", use_nf4_kernel(model))
         if fast.keep_dequantized:
             record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
@@ -159,7 +155,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once", "nf4_kernel"):
+                      "down_once"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

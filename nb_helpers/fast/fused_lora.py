@@ -28,7 +28,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import lora_dropout, nf4, recompute
+from nb_helpers.fast import lora_dropout, recompute
 from nb_helpers.fast.options import DECODED_ABSMAX
 from nb_helpers.frontend import say_once
 
@@ -51,8 +51,6 @@ def _dequantize(weight, direct: bool = False):
         absmax = getattr(state, DECODED_ABSMAX, None)
         if absmax is None or absmax.device != data.device:  # none kept, or the weight moved since
             absmax = _decoded_absmax(state, absmax_kernel, stream)
-    if getattr(state, nf4.TABLE, None) is not None and absmax.dtype == torch.float32:
-        return nf4.dequantize(data, absmax, state)  # lever nf4_kernel: the same bits
     out = torch.empty(state.shape, dtype=state.dtype, device=data.device)
     weight_kernels[state.dtype, state.quant_type](None, data.data_ptr(), absmax.data_ptr(), out.data_ptr(),
                                                   state.blocksize, out.numel(), stream)
@@ -92,20 +90,11 @@ def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
     return len(states)
 
 
-def _quant_states(model) -> list:
+def _double_quantized_on_gpu(model) -> list:
     import bitsandbytes as bnb
 
     states = [getattr(m.weight, "quant_state", None) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    return [state for state in states if state is not None]
-
-
-def _double_quantized_on_gpu(model) -> list:
-    return [state for state in _quant_states(model) if state.nested and state.absmax.is_cuda]
-
-
-def use_nf4_kernel(model) -> bool:
-    """Lever nf4_kernel: the NF4 weights dequantize through fast.nf4's kernel (the same bits); False where none can."""
-    return _direct_kernels() is not None and nf4.mark(_quant_states(model)) > 0
+    return [state for state in states if state is not None and state.nested and state.absmax.is_cuda]
 
 
 def frozen_linear(x, weight, bias=None, direct: bool = False):

@@ -44,8 +44,6 @@ class FastOptions:
     down_once: bool = True  # a checkpointed layer's recompute reuses its forward's LoRA products dropout(x) A^T
     #                         (tokens x r each) instead of reading x and drawing the mask again (fast.recompute);
     #                         CUDA, dead_tail, dropout_kernels
-    nf4_kernel: bool = True  # NF4 weights dequantized by one Triton kernel (fast.nf4), the same bits as bitsandbytes'
-    #                          kernel; CUDA, direct_dequant
     prefetch: bool = True  # the next batches collated in one DataLoader worker while the GPU trains (fast.prefetch);
     #                        CUDA, Linux
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
