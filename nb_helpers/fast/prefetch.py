@@ -34,6 +34,10 @@ def loader_args(model) -> dict:
     return dict(dataloader_num_workers=WORKERS, dataloader_prefetch_factor=AHEAD)
 
 
+def _leave_quietly(signum, frame):
+    raise SystemExit(0)  # multiprocessing ends the worker with status 0
+
+
 def signals_to_main(collator):
     """Wrap the collator so that a worker leaves SIGTERM and Ctrl-C to the main process. A `kill` of the process group,
     systemd or a batch scheduler stopping the job, or Ctrl-C in a terminal reaches the worker too; one killed by the
@@ -48,7 +52,7 @@ def signals_to_main(collator):
             from torch.utils.data import get_worker_info
 
             if get_worker_info() is not None:
-                signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+                signal.signal(signal.SIGTERM, _leave_quietly)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 quiet_in.add(os.getpid())
         return collator(examples)
