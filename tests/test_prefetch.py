@@ -16,18 +16,19 @@ def losses(run_dir):
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_a_worker_collating_ahead_trains_the_same_steps(tiny_cfg, shared_run, monkeypatch):
+def test_a_worker_collating_ahead_trains_the_same_steps(tiny_cfg, no_gpu, monkeypatch):
     from nb_helpers.training import train
 
+    without = train(tiny_cfg.replace(task_eval_samples=0), verbose=False)
     monkeypatch.setenv("NB_FASTPATH", "prefetch=1")
     seen = []
-    run_dir = train(tiny_cfg, listeners=[lambda r: seen.append(len(multiprocessing.active_children()))],
-                    verbose=False)
+    run_dir = train(tiny_cfg.replace(task_eval_samples=0),
+                    listeners=[lambda r: seen.append(len(multiprocessing.active_children()))], verbose=False)
     assert max(seen) >= 1, "no DataLoader worker ran"
-    assert losses(run_dir) == losses(shared_run[1])  # the same batches in the same order: the same steps
+    assert losses(run_dir) == losses(without)  # the same batches in the same order: the same steps
 
 
-def test_sigterm_to_the_worker_and_the_process_ends_the_run_as_ctrl_c_does(tiny_cfg, monkeypatch, capfd):
+def test_sigterm_to_the_worker_and_the_process_ends_the_run_as_ctrl_c_does(tiny_cfg, no_gpu, monkeypatch, capfd):
     """`kill -TERM -PGID` (systemd, a batch scheduler) reaches the worker too; it must leave the signal to the main
     process, which saves a checkpoint and the summary, and says so once."""
     from nb_helpers.recovery import last_checkpoint
@@ -71,6 +72,29 @@ def test_off_the_linux_it_needs_one_line_says_so(monkeypatch, capsys):
     assert capsys.readouterr().out.count("prefetch off: DataLoader workers are forked on Linux only") == 1
     Model._nb_fast = FastOptions.from_env(prefetch=False)
     assert prefetch.loader_args(Model()) == {} and prefetch.loader_args(None) == {}
+
+
+def test_on_a_gpu_only_graphed_layers_collate_in_a_worker(monkeypatch, capsys):
+    """Graphed steps leave the GPU idle at their edges, which the worker fills; eager ones are bound by the training
+    process's launches, where the worker measured no faster (call 59), so they collate in the training process."""
+    import torch
+
+    from nb_helpers import frontend
+    from nb_helpers.fast import prefetch
+    from nb_helpers.fast.options import FastOptions
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(frontend, "_SAID", set())
+
+    class Model:
+        _nb_fast = FastOptions.from_env(prefetch=True, graphs=True, reentrant=True)
+        _nb_use_graphs = True
+
+    assert prefetch.loader_args(Model(), checkpointing=True)["dataloader_num_workers"] == 1
+    assert prefetch.loader_args(Model(), checkpointing=False) == {}  # no checkpoints: nothing is graphed
+    Model._nb_use_graphs = False  # auto-fit chose eager layers (8 x 2048 under 4 GiB)
+    assert prefetch.loader_args(Model(), checkpointing=True) == {}
+    assert capsys.readouterr().out.count("prefetch off: the layers run eagerly") == 1
 
 
 def test_a_wrapped_worker_leaves_on_sigterm_with_status_0_and_ignores_ctrl_c():

@@ -149,7 +149,7 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
-    ran["prefetch"] = bool(loader_args(model))
+    ran["prefetch"] = bool(loader_args(model, checkpointing))
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     if not ran.get("fused_lora"):
