@@ -63,7 +63,8 @@ def bookkeeping_args(run) -> dict:
         report_to="none",
         data_seed=cfg.seed,
         use_cpu=not cuda,
-        **{"dataloader_pin_memory": cuda, **fast.loader_args(run.model, cfg.gradient_checkpointing)},  # fast.prefetch
+        dataloader_pin_memory=cuda,
+        **fast.loader_args(run.model, cfg.gradient_checkpointing),  # a worker collating ahead (fast.prefetch)
         disable_tqdm=True,
         # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
         # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.

@@ -63,8 +63,7 @@ def test_off_the_linux_it_needs_one_line_says_so(monkeypatch, capsys):
     class Model:
         _nb_fast = FastOptions.from_env(prefetch=True)
 
-    assert prefetch.loader_args(Model()) == {"dataloader_num_workers": 1, "dataloader_prefetch_factor": 2,
-                                            "dataloader_pin_memory": False}
+    assert prefetch.loader_args(Model()) == {"dataloader_num_workers": 1, "dataloader_prefetch_factor": 2}
     monkeypatch.setattr(frontend, "_SAID", set())
     monkeypatch.setattr(prefetch.sys, "platform", "win32")
     assert prefetch.loader_args(Model()) == {}
