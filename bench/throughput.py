@@ -77,13 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner now fits under
-        # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB)
+        # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner fits under
+        # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB); slower
         run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
-        # fifty-eighth and fifty-ninth device calls: the next batches collated in a DataLoader worker (prefetch), taken
-        # out (since call 59 it runs with graphed layers only, so at 8 x 2048 both runs of this pair are eager)
-        run("w2048", "no-prefetch", 8, 1, fast="prefetch=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-prefetch", 8, 1, fast="prefetch=0", auto_fit=True, profile=True, steps=steps + 1),
+        # (calls 58-59 also took out a lever `prefetch`, since removed: bench/NOTES.md)
         # fifty-fifth device call: the recompute reuses its forward's LoRA products (lever down_once), taken out
         run("w2048", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),

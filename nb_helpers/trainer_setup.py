@@ -58,13 +58,13 @@ def bookkeeping_args(run) -> dict:
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
         include_num_input_tokens_seen="non_padding",
-        # a few shapes (lengths padded to 64s): a CUDA graph, and a cuDNN attention plan, per shape
+        # lengths padded to a multiple of 64 make a few shapes: CUDA-graphed layers replay one graph per shape, and
+        # cuDNN's attention builds its plans once per shape (eager layers on CUDA)
         pad_to_multiple_of=fast.pad_multiple(run.model),
         report_to="none",
         data_seed=cfg.seed,
         use_cpu=not cuda,
         dataloader_pin_memory=cuda,
-        **fast.loader_args(run.model, cfg.gradient_checkpointing),  # a worker collating ahead (fast.prefetch)
         disable_tqdm=True,
         # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
         # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.

@@ -11,7 +11,7 @@ The course reaches it through this module alone, in four calls:
                                           #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
                                           #   fast.graphed_layers)
     adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
-                                          #   (fast.optimizer_step), signals left to the main process (fast.prefetch)
+                                          #   (fast.optimizer_step)
 
 One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
 API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
@@ -27,8 +27,7 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table",
-           "loader_args"]
+           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -115,10 +114,6 @@ def adapt_trainer(trainer, model) -> None:
         from nb_helpers.fast.mask import guard_collator
 
         trainer.data_collator = guard_collator(trainer.data_collator, model)
-    if trainer.args.dataloader_num_workers > 0:
-        from nb_helpers.fast.prefetch import signals_to_main
-
-        trainer.data_collator = signals_to_main(trainer.data_collator)
     if fast is not None and fast.direct_optim:
         from nb_helpers.fast.optimizer_step import install_on_trainer
 
@@ -136,7 +131,6 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     import torch
 
     from nb_helpers.fast.checkpoints import graphs_on, no_recompute_layers, pad_multiple, tail_lever_on
-    from nb_helpers.fast.prefetch import loader_args
 
     if not torch.cuda.is_available():
         return {}
@@ -149,7 +143,6 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
-    ran["prefetch"] = bool(loader_args(model, checkpointing))
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     if not ran.get("fused_lora"):
@@ -217,8 +210,7 @@ LAZY = {
     "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
     "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
-    "set_trainer_device": ("compat", "set_trainer_device"),
-    "loader_args": ("prefetch", "loader_args"),  # SFTConfig's DataLoader arguments: a worker collates ahead  # the Trainer's cached device (several CPU processes)
+    "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
 }
 
 

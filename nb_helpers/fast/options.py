@@ -44,8 +44,6 @@ class FastOptions:
     down_once: bool = True  # a checkpointed layer's recompute reuses its forward's LoRA products dropout(x) A^T
     #                         (tokens x r each) instead of reading x and drawing the mask again (fast.recompute);
     #                         CUDA, dead_tail, dropout_kernels
-    prefetch: bool = True  # the next batches collated in one DataLoader worker while the GPU trains (fast.prefetch);
-    #                        CUDA-graphed layers, Linux
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
@@ -155,9 +153,6 @@ LEVERS = {
     "down_once": ("the recompute reuses its forward's LoRA products dropout(x) A^T: the input is not read and the "
                   "mask not drawn a third time", "GPU compute 12.41 against 12.55 us/token at 8 x 2048 and 12.97 against "
                   "13.12 at 8 x 512, steps the same, for 0.02 GiB (call 55)"),
-    "prefetch": ("one DataLoader worker collates the next batches while the GPU trains: graphed layers on Linux (the "
-                 "same batches)", "49,477 against 43,774 tokens/s at 8 x 512 (graphed), GPU memory the same; eager 8 x "
-                 "2048 not faster (57,144 against 63,946), so eager runs collate in the training process (call 59)"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
                          "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),
