@@ -77,6 +77,16 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # sixtieth device call: the rows read as numpy arrays and the Trainer's token count left out (fast.batches),
+        # each taken out again; the host's time between points of the step (HostPhases), untraced
+        run("w2048", "no-array-rows", 8, 1, fast="array_rows=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w2048", "no-one-token-count", 8, 1, fast="one_token_count=0", auto_fit=True, profile=True,
+            steps=steps + 1),
+        run("w2048", "host-phases", 8, 1, auto_fit=True, phases=True),
+        run("w512", "no-array-rows", 8, 1, fast="array_rows=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w512", "no-one-token-count", 8, 1, fast="one_token_count=0", auto_fit=True, profile=True,
+            steps=steps + 1),
+        run("w512", "host-phases", 8, 1, auto_fit=True, phases=True),
         # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner fits under
         # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB); slower
         run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
@@ -270,6 +280,61 @@ class HostProfile:
             self.profiler = None
 
 
+class HostPhases:
+    """The host's time between points of every step, untraced (time.perf_counter at callbacks and hooks): fetching
+    the batch (the move to the device and the next batch's collation), up to the embedding, the forward, the backward
+    until the first adapter's gradient, on to the optimizer, the optimizer, the step's end and the log line. Medians
+    over the timed steps, in ms. With the GPU's timeline of a step (--gpu-trace) it says what the GPU waits for."""
+
+    def __init__(self):
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def install(self, trainer, model) -> None:
+        import accelerate.data_loader as loaders
+        from transformers import TrainerCallback
+
+        phases, fetch = self, loaders.DataLoaderShard.__iter__
+
+        class Marks(TrainerCallback):
+            def on_step_begin(self, *a, **k): phases.mark("step_begin")
+            def on_pre_optimizer_step(self, *a, **k): phases.mark("pre_optimizer")
+            def on_optimizer_step(self, *a, **k): phases.mark("optimizer_done")
+            def on_step_end(self, *a, **k): phases.mark("step_end")
+            def on_log(self, *a, **k): phases.mark("logged")
+
+        def marked_fetch(loader):
+            batches = fetch(loader)
+            while True:
+                phases.mark("fetch")
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                phases.mark("fetched")
+                yield batch
+
+        loaders.DataLoaderShard.__iter__ = marked_fetch
+        trainer.add_callback(Marks())
+        model.get_input_embeddings().register_forward_pre_hook(lambda *a: self.mark("embedding"))
+        model.register_forward_hook(lambda *a: self.mark("forward_done"))
+        first = next(p for p in model.parameters() if p.requires_grad)  # its gradient comes last in the backward
+        first.register_post_accumulate_grad_hook(lambda p: self.mark("backward_done"))
+
+    def report(self, skip_steps: int) -> dict:
+        import statistics
+
+        intervals: dict[str, list[float]] = {}
+        step = 0
+        for (a, ta), (b, tb) in zip(self.marks, self.marks[1:]):
+            step += a == "step_end"
+            if step >= skip_steps:
+                intervals.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e3)
+        return {k: round(statistics.median(v), 2) for k, v in intervals.items()}
+
+
 def save_trace(prof, folder: Path, spec: dict) -> dict:
     """The profiled step's Chrome trace, gzipped, and where its GPU gaps come from (bench/trace_gaps.py)."""
     import gzip
@@ -418,6 +483,18 @@ def ours_worker(spec: dict) -> dict:
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))
+    phases = HostPhases() if spec.get("phases") else None
+    if phases is not None:
+        from nb_helpers import training as steps
+
+        build = steps.build_trainer
+
+        def build_and_mark(run):
+            trainer = build(run)
+            phases.install(trainer, run.model)
+            return trainer
+
+        steps.build_trainer = build_and_mark
 
     def listen(record):
         if "loss" in record:
@@ -431,6 +508,7 @@ def ours_worker(spec: dict) -> dict:
             "busy": getattr(recorder, "busy", None), "context_gib": summary.get("cuda_context_gib"),
             "gc_ms_per_step": recorder.gc_steps,
             "predicted_peak_gib": summary.get("predicted_peak_gib"), "host_profile": host.report,
+            "host_phases_ms": phases.report(WARMUP) if phases else None,
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
                          "gc": chosen["gradient_checkpointing"],
                          "no_recompute_layers": chosen.get("no_recompute_layers", 0)},
@@ -468,7 +546,8 @@ def summarize(spec: dict, result: dict) -> dict:
             "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
             "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
             "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
-            "host_profile": result.get("host_profile"), "fast_levers": result.get("fast_levers")}
+            "host_profile": result.get("host_profile"), "host_phases_ms": result.get("host_phases_ms"),
+            "fast_levers": result.get("fast_levers")}
 
 
 def cpu_throttling() -> dict:

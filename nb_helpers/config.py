@@ -127,8 +127,7 @@ class RunConfig:
     def from_dict(cls, data: dict) -> "RunConfig":
         known = {f.name for f in dataclasses.fields(cls)}
         data = {k: v for k, v in data.items() if k not in RECORD_KEYS}
-        unknown = sorted(set(data) - known)
-        if unknown:
+        if unknown := sorted(set(data) - known):
             raise ConfigError(f"unknown config keys {unknown}; valid keys are: {', '.join(sorted(known))}")
         return cls(**data)
 
@@ -160,8 +159,7 @@ class RunConfig:
         problems at once, each with the knob, the value and the fix."""
         from nb_helpers.safety.settings import settings_problems
 
-        problems = settings_problems(self)
-        if problems:
+        if problems := settings_problems(self):
             raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
         return self
 

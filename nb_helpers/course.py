@@ -40,8 +40,7 @@ def course_config(**overrides) -> RunConfig:
     except ConfigError as e:
         raise ConfigError(f"{path} (the sliders' saved choices): {e}\nDelete the file to start again from the "
                           "defaults.") from None
-    changed = {k: v for k, v in choices.items() if getattr(cfg, k) != v}
-    if changed:
+    if changed := {k: v for k, v in choices.items() if getattr(cfg, k) != v}:
         print(f"[config] carried from earlier notebooks ({path}): "
               + ", ".join(f"{k}={v}" for k, v in changed.items()) + "; delete that file to start from the defaults")
     return carried

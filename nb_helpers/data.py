@@ -133,8 +133,7 @@ def normalize_row(row, completion_only_loss: bool = True) -> dict:
     if fmt is None:
         raise RowProblem(f"row matches no accepted format (keys: {', '.join(sorted(row)) or 'none'})",
                          "use messages, prompt/completion, instruction/input/output or text")
-    missing = [name for name in FIELDS[fmt] if name not in row]
-    if missing:
+    if missing := [name for name in FIELDS[fmt] if name not in row]:
         raise RowProblem(f"missing field {missing[0]!r} for the {fmt.replace('_', '/')} format",
                          f"add {missing[0]!r} to the row")
     if fmt == "text":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -31,9 +32,8 @@ class MetricsCallback(TrainerCallback):
         self.path = Path(path)
         self.listeners = list(listeners)  # called with each record (live plots)
         self.write, self.fields = write, dict(fields or {})
-        self._step_start = None
-        self._pending: dict = {}
-        self._tokens_before = 0
+        self._step_start, self._pending = None, {}
+        self._counted, self._logged_step = None, 0  # TRL's running token count and the step at the last line
         self.records: list[dict] = []
         self.non_finite_step: int | None = None
 
@@ -52,7 +52,7 @@ class MetricsCallback(TrainerCallback):
         if self.write:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.touch()  # the run folder always has its metrics file, even when step 1 never finishes
-        self._tokens_before = state.num_input_tokens_seen or 0
+        self._logged_step = state.global_step
         _sync()
         self._step_start = time.perf_counter()
 
@@ -64,10 +64,16 @@ class MetricsCallback(TrainerCallback):
         now = time.perf_counter()
         step_s = now - self._step_start if self._step_start else None
         self._step_start = now
-        tokens = (state.num_input_tokens_seen or 0) - self._tokens_before
-        self._tokens_before = state.num_input_tokens_seen or 0
-        self._pending = {"step": state.global_step, "epoch": state.epoch, "tokens": int(tokens), "step_s": step_s,
-                         "tokens_per_s": tokens / step_s if step_s and tokens else None, **memory_snapshot()}
+        self._pending = {"step": state.global_step, "epoch": state.epoch, "step_s": step_s, **memory_snapshot()}
+
+    def _tokens_per_step(self, state, logs: dict) -> float | None:
+        """Tokens a step trained since the last line, by SFTTrainer's running count (its `num_tokens` metric: every
+        process's non-padding tokens), which a new trainer starts again at 0."""
+        total, before = logs.get("num_tokens"), self._counted or 0
+        if total is None:
+            return None
+        self._counted, steps, self._logged_step = total, state.global_step - self._logged_step, state.global_step
+        return (total - (before if total >= before else 0)) / max(1, steps)
 
     def _restart_clock(self, *args, **kwargs):
         _sync()
@@ -82,9 +88,12 @@ class MetricsCallback(TrainerCallback):
             return
         if "loss" not in logs or not self._pending or self._pending["step"] != state.global_step:
             return
+        tokens, step_s = self._tokens_per_step(state, logs), self._pending["step_s"]  # tokens: a mean per step
         record = {"step": state.global_step, "epoch": round(state.epoch or 0.0, 4), "loss": logs["loss"],
                   "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
-                  **{k: v for k, v in self._pending.items() if k not in ("step", "epoch")}, **self.fields}
+                  "tokens": None if tokens is None else round(tokens), "step_s": step_s,
+                  "tokens_per_s": tokens / step_s if step_s and tokens else None,
+                  **{k: v for k, v in self._pending.items() if k not in ("step", "epoch", "step_s")}, **self.fields}
         self._write(record)
         if not all(math.isfinite(v) for v in (record["loss"], record["grad_norm"] or 0.0)):
             self.non_finite_step = state.global_step
@@ -104,8 +113,5 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def median(values) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None

@@ -104,8 +104,7 @@ def split_metrics_at(run_dir: Path, step: int) -> None:
     """Resuming from checkpoint N: lines after step N move to metrics.after-checkpoint.jsonl (kept, not lost)."""
     path = run_dir / "metrics.jsonl"
     records, unreadable = parse_metrics(path)
-    later = [r for r in records if r["step"] > step]
-    if later:
+    if later := [r for r in records if r["step"] > step]:
         write_jsonl(run_dir / "metrics.after-checkpoint.jsonl", later, mode="a")  # a second resume adds, never replaces
     set_aside(run_dir, path, unreadable)
     write_jsonl(path, [r for r in records if r["step"] <= step])

@@ -79,13 +79,11 @@ def package_versions() -> dict:
 
 def summarize(run_dir: Path, model_name: str, extra: dict) -> dict:
     """The summary of a run folder: measured from its metrics.jsonl, plus what the trainer recorded (`extra`)."""
-    unknown = set(extra) - set(SUMMARY_KEYS) - set(DETAIL_KEYS)
-    if unknown:
+    if unknown := set(extra) - set(SUMMARY_KEYS) - set(DETAIL_KEYS):
         raise KeyError(f"summary keys {sorted(unknown)} are not in nb_helpers.summary; add them there with their meaning")
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     timed = records[WARMUP_STEPS_EXCLUDED:] if len(records) > 2 * WARMUP_STEPS_EXCLUDED else records
-    step_s = median(r["step_s"] for r in timed)
-    tokens = median(r["tokens"] for r in timed)
+    step_s, tokens = (median(r[key] for r in timed) for key in ("step_s", "tokens"))
     peak = lambda key: max((r[key] for r in records if r.get(key) is not None), default=None)
     summary = dict.fromkeys(SUMMARY_KEYS)
     summary.update(

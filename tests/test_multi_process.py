@@ -163,7 +163,8 @@ def test_metrics_of_other_ranks_are_kept_but_not_written(tmp_path):
         callback.on_train_begin(None, state, control)
         state.global_step, state.epoch, state.num_input_tokens_seen = 1, 0.25, 400
         callback.on_step_end(None, state, control)
-        callback.on_log(None, state, control, logs={"loss": 2.5, "grad_norm": 0.5, "learning_rate": 1e-3})
+        callback.on_log(None, state, control, logs={"loss": 2.5, "grad_norm": 0.5, "learning_rate": 1e-3,
+                                                   "num_tokens": 400.0})
         callback.close()
 
     fields = {"world_size": 2, "global_batch": 4}

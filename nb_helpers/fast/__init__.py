@@ -10,8 +10,8 @@ The course reaches it through this module alone, in four calls:
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
                                           #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
                                           #   fast.graphed_layers)
-    adapt_trainer(trainer, model)         # the collator's padding check, bitsandbytes' AdamW kernels called directly
-                                          #   (fast.optimizer_step)
+    adapt_trainer(trainer, model)         # rows read as arrays, the collator's padding check, bitsandbytes' AdamW
+                                          #   kernels called directly (fast.batches, fast.optimizer_step)
 
 One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
 API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
@@ -27,7 +27,8 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table"]
+           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table",
+           "trainer_token_count"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -107,9 +108,13 @@ def _dequantized_weights_fit(model, cfg) -> bool:
 
 
 def adapt_trainer(trainer, model) -> None:
-    """On a built trainer: a batch that is not right-padded turns the mask drop off; the optimizer the Trainer makes
-    steps through bitsandbytes' kernels directly."""
+    """On a built trainer: the training rows read as arrays; a batch that is not right-padded turns the mask drop off;
+    the optimizer the Trainer makes steps through bitsandbytes' kernels directly."""
     fast = getattr(model, "_nb_fast", None)
+    if fast is not None and fast.array_rows:
+        from nb_helpers.fast.batches import read_rows_as_arrays
+
+        record(model, "array_rows", read_rows_as_arrays(trainer))
     if fast is not None and fast.nomask:
         from nb_helpers.fast.mask import guard_collator
 
@@ -211,6 +216,7 @@ LAZY = {
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
     "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
     "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
+    "trainer_token_count": ("batches", "trainer_token_count"),  # include_num_input_tokens_seen for this run
 }
 
 

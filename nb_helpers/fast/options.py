@@ -44,6 +44,10 @@ class FastOptions:
     down_once: bool = True  # a checkpointed layer's recompute reuses its forward's LoRA products dropout(x) A^T
     #                         (tokens x r each) instead of reading x and drawing the mask again (fast.recompute);
     #                         CUDA, dead_tail, dropout_kernels
+    array_rows: bool = True  # the training rows' token columns read as numpy arrays: TRL's collator copies each row
+    #                          once instead of converting Python lists element by element (fast.batches); CUDA
+    one_token_count: bool = True  # tokens counted once, by TRL's loss after the forward: the Trainer's own count
+    #                               waits on every backward before the optimizer step is queued (fast.batches); CUDA
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
@@ -153,6 +157,11 @@ LEVERS = {
     "down_once": ("the recompute reuses its forward's LoRA products dropout(x) A^T: the input is not read and the "
                   "mask not drawn a third time", "GPU compute 12.41 against 12.55 us/token at 8 x 2048 and 12.97 against "
                   "13.12 at 8 x 512, steps the same, for 0.02 GiB (call 55)"),
+    "array_rows": ("the training rows' token columns read as numpy arrays: TRL's collator copies each row once",
+                   "collating 8 x 2048 tokens: 4.2 against 0.3 ms of host time (2-core EPYC); on the GPU: not yet "
+                   "measured"),
+    "one_token_count": ("tokens counted by TRL's loss alone: no `.item()` after each backward keeps the optimizer step "
+                        "waiting", "not yet measured"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
                          "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),

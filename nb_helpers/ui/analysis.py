@@ -49,8 +49,7 @@ def flag_problems(records: list[dict], vram_warn_gib: float | None = None) -> li
         vram_warn_gib = find_card(COURSE_CARD).budget_gib()
     steps = [r for r in records if "loss" in r]
     flags = []
-    over = [r for r in steps if (r.get("device_used_gib") or 0) > vram_warn_gib]
-    if over:
+    if over := [r for r in steps if (r.get("device_used_gib") or 0) > vram_warn_gib]:
         worst = max(over, key=lambda r: r["device_used_gib"])
         flags.append(f"VRAM above {vram_warn_gib} GiB on {len(over)} step(s) (worst {worst['device_used_gib']:.2f} GiB "
                      f"at step {worst['step']}): a 4 GB card has under 0.1 GiB left, and one longer batch runs out "

@@ -1,0 +1,85 @@
+"""The host's share of each batch (nb_helpers.fast.batches): rows read as numpy arrays make the same batches, and
+metrics.jsonl counts tokens from SFTTrainer's own count, whoever else counts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from nb_helpers import fast as fastpath
+
+
+@pytest.fixture
+def trained(tiny_cfg, monkeypatch):
+    """Two steps on the tiny model with the rows read as arrays, the Trainer counting tokens too (NB_FASTPATH
+    reaches the levers' CPU halves); the trainer and its run folder."""
+    from nb_helpers import training
+
+    monkeypatch.setenv(fastpath.ENV_VAR, "array_rows=1,one_token_count=0")
+    run = training.prepare_run(tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0), None, False)
+    training.load_for_training(run, False)
+    training.open_run_folder(run, (), False)
+    trainer = training.build_trainer(run)
+    with training.guard_training(run, trainer):
+        trainer.train()
+    training.finish_run(run, trainer, False)
+    return trainer, run.run_dir
+
+
+def test_rows_read_as_arrays_make_the_same_batches(trained):
+    import torch
+
+    trainer = trained[0]
+    rows = trainer.train_dataset
+    assert rows.format["type"] == "numpy" and set(rows.format["columns"]) == {"input_ids", "labels"}
+    assert isinstance(rows[0]["prompt"], list)  # the chat columns stay Python objects
+    as_lists = rows.with_format(None)
+    indices = list(range(min(len(rows), 5)))
+    arrays, lists = (trainer.data_collator(d.__getitems__(indices)) for d in (rows, as_lists))
+    assert set(arrays) == set(lists) >= {"input_ids", "labels", "attention_mask"}
+    for key, tensor in lists.items():
+        assert arrays[key].dtype == tensor.dtype and torch.equal(arrays[key], tensor), key
+
+
+def test_metrics_count_the_tokens_the_trainer_counts(trained):
+    from nb_helpers.metrics import read_metrics
+
+    trainer, run_dir = trained
+    assert trainer.args.include_num_input_tokens_seen == "non_padding"
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 2 and all(r["tokens"] > 0 for r in steps)
+    assert sum(r["tokens"] for r in steps) == trainer.state.num_input_tokens_seen  # TRL's count is the Trainer's
+
+
+def test_one_token_count_leaves_the_trainer_out(tiny_cfg, monkeypatch):
+    from nb_helpers.lora import attach_lora
+    from nb_helpers.models import ModelChoice, load_4bit
+    from nb_helpers.trainer_setup import bookkeeping_args
+
+    for lever, expected in (("1", "no"), ("0", "non_padding")):
+        monkeypatch.setenv(fastpath.ENV_VAR, f"one_token_count={lever}")
+        model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
+        run = SimpleNamespace(cfg=tiny_cfg, model=model, run_dir=None, eval_rows=[], world_size=1)
+        assert bookkeeping_args(run)["include_num_input_tokens_seen"] == expected
+
+
+def test_a_line_per_window_and_a_new_trainers_count(tmp_path):
+    from nb_helpers.metrics import MetricsCallback
+
+    callback = MetricsCallback(tmp_path / "metrics.jsonl", write=False)
+    state, control = SimpleNamespace(global_step=0, epoch=0.0), SimpleNamespace(should_training_stop=False)
+    callback.on_train_begin(None, state, control)
+
+    def step(count, log=True):
+        state.global_step += 1
+        callback.on_step_end(None, state, control)
+        if log:
+            callback.on_log(None, state, control, logs={"loss": 1.0, "grad_norm": 0.1, "num_tokens": float(count)})
+
+    step(300)
+    step(700)
+    step(0, log=False)
+    step(1300)  # logging every 2 steps from here: the line stands for both
+    step(50)  # a new trainer's count starts again at 0
+    assert [r["tokens"] for r in callback.records] == [300, 400, 300, 50]
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_s"])
+               for r in callback.records)
