@@ -77,15 +77,13 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
-        # sixtieth device call: the rows read as numpy arrays and the Trainer's token count left out (fast.batches),
-        # each taken out again; the host's time between points of the step (HostPhases), untraced
-        run("w2048", "no-array-rows", 8, 1, fast="array_rows=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w2048", "no-one-token-count", 8, 1, fast="one_token_count=0", auto_fit=True, profile=True,
-            steps=steps + 1),
+        # sixtieth device call: the host's share of the step (fast.host_step): rows read as numpy arrays, the
+        # Trainer's token count left out, model.train() walking the modules only on a change, each taken out again;
+        # the host's time between points of the step (HostPhases), untraced
+        *[run(workload, f"no-{lever.replace('_', '-')}", 8, 1, fast=f"{lever}=0", auto_fit=True, profile=True,
+              steps=steps + 1) for workload in ("w2048", "w512")
+          for lever in ("array_rows", "one_token_count", "mode_on_change")],
         run("w2048", "host-phases", 8, 1, auto_fit=True, phases=True),
-        run("w512", "no-array-rows", 8, 1, fast="array_rows=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-one-token-count", 8, 1, fast="one_token_count=0", auto_fit=True, profile=True,
-            steps=steps + 1),
         run("w512", "host-phases", 8, 1, auto_fit=True, phases=True),
         # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner fits under
         # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB); slower

@@ -57,7 +57,7 @@ def bookkeeping_args(run) -> dict:
         save_total_limit=2,
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
-        # metrics.jsonl takes TRL's token count; fast.batches says why the fast path leaves the Trainer's out
+        # metrics.jsonl takes TRL's token count; fast.host_step says why the fast path leaves the Trainer's out
         include_num_input_tokens_seen=fast.trainer_token_count(run.model),
         # lengths padded to a multiple of 64 make a few shapes: CUDA-graphed layers replay one graph per shape, and
         # cuDNN's attention builds its plans once per shape (eager layers on CUDA)

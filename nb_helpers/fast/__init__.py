@@ -10,8 +10,9 @@ The course reaches it through this module alone, in four calls:
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
                                           #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
                                           #   fast.graphed_layers)
-    adapt_trainer(trainer, model)         # rows read as arrays, the collator's padding check, bitsandbytes' AdamW
-                                          #   kernels called directly (fast.batches, fast.optimizer_step)
+    adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
+                                          #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
+                                          #   fast.optimizer_step)
 
 One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
 API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
@@ -108,13 +109,17 @@ def _dequantized_weights_fit(model, cfg) -> bool:
 
 
 def adapt_trainer(trainer, model) -> None:
-    """On a built trainer: the training rows read as arrays; a batch that is not right-padded turns the mask drop off;
-    the optimizer the Trainer makes steps through bitsandbytes' kernels directly."""
+    """On a built trainer: the training rows read as arrays, model.train() walks the modules only on a change; a batch
+    that is not right-padded turns the mask drop off; the optimizer steps through bitsandbytes' kernels directly."""
     fast = getattr(model, "_nb_fast", None)
     if fast is not None and fast.array_rows:
-        from nb_helpers.fast.batches import read_rows_as_arrays
+        from nb_helpers.fast.host_step import read_rows_as_arrays
 
         record(model, "array_rows", read_rows_as_arrays(trainer))
+    if fast is not None and fast.mode_on_change:
+        from nb_helpers.fast.host_step import walk_modes_on_change
+
+        walk_modes_on_change(model)
     if fast is not None and fast.nomask:
         from nb_helpers.fast.mask import guard_collator
 
@@ -216,7 +221,7 @@ LAZY = {
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
     "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
     "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
-    "trainer_token_count": ("batches", "trainer_token_count"),  # include_num_input_tokens_seen for this run
+    "trainer_token_count": ("host_step", "trainer_token_count"),  # include_num_input_tokens_seen for this run
 }
 
 

@@ -1,4 +1,4 @@
-"""The host's share of each batch (nb_helpers.fast.batches): rows read as numpy arrays make the same batches, and
+"""The host's share of each batch (nb_helpers.fast.host_step): rows read as numpy arrays make the same batches, and
 metrics.jsonl counts tokens from SFTTrainer's own count, whoever else counts."""
 
 from types import SimpleNamespace
@@ -83,3 +83,34 @@ def test_a_line_per_window_and_a_new_trainers_count(tmp_path):
     assert [r["tokens"] for r in callback.records] == [300, 400, 300, 50]
     assert all(r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_s"])
                for r in callback.records)
+
+
+def test_the_mode_walk_runs_only_on_a_change(tiny_cfg, monkeypatch):
+    import copy
+
+    import torch
+
+    from nb_helpers.fast.host_step import walk_modes_on_change
+    from nb_helpers.lora import attach_lora
+    from nb_helpers.models import ModelChoice, load_4bit
+
+    model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
+    walk_modes_on_change(model)
+    walks = []
+    module_train = torch.nn.Module.train
+    monkeypatch.setattr(torch.nn.Module, "train", lambda self, mode=True: walks.append(self) or module_train(self, mode))
+    modes = lambda m: {sub.training for sub in m.modules()}
+    walked = lambda: sum(w is model for w in walks)  # walks started at the top
+    model.train()
+    assert walked() == 1 and len(walks) == len(list(model.modules())) and modes(model) == {True}
+    model.train()
+    assert walked() == 1  # nothing changed: no walk
+    model.eval()
+    assert walked() == 2 and modes(model) == {False}
+    model.train()
+    model.get_base_model().eval()  # a submodule switched on its own: the sentinels show it
+    model.train()
+    assert walked() == 4 and modes(model) == {True}
+    twin = copy.deepcopy(model)
+    twin.eval()
+    assert modes(twin) == {False} and modes(model) == {True}  # the copy's method is bound to the copy

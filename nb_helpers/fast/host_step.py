@@ -1,7 +1,8 @@
-"""The host's share of each training batch: how the rows are read, and who counts their tokens.
+"""The host's share of each training step: how the rows are read, who counts their tokens, and the mode switch.
 
-A CUDA step is host-bound at its edges: the GPU waits while the host collates the next batch and while it waits on
-the GPU before the optimizer step. Two levers shorten that time, with the same batches and the same numbers:
+A CUDA step is host-bound at its edges: the GPU waits while the host collates the next batch, while it gets the
+model ready for the forward, and while it waits on the GPU before the optimizer step. Three levers shorten that
+time, with the same batches and the same numbers:
 
 * `array_rows`: TRL's collator makes each batch's tensors from its rows. A datasets.Dataset hands them over as Python
   lists, which torch.tensor converts one element at a time (4.2 ms for 8 x 2048 tokens on a 2-core EPYC); read as
@@ -10,6 +11,9 @@ the GPU before the optimizer step. Two levers shorten that time, with the same b
   metrics already make after the forward. The Trainer's own count (`include_num_input_tokens_seen`) adds an `.item()`
   after each backward: the host waits there for the whole backward before it queues the clipping and the optimizer,
   and the GPU then waits for the host. With the lever on, the Trainer does not count; metrics.jsonl takes TRL's count.
+* `mode_on_change`: the Trainer calls `model.train()` before every micro-batch, and nn.Module.train sets the flag on
+  every module (1,175 of them for TinyLlama with LoRA on q, k, v, o: 3.1 ms on that EPYC) although it has not
+  changed. With the lever, a call that asks for the mode the model is in returns at once.
 """
 
 from __future__ import annotations
@@ -41,6 +45,28 @@ def read_rows_as_arrays(trainer) -> bool:
         return False
     trainer.train_dataset = dataset.with_format("numpy", columns=columns, output_all_columns=True)
     return True
+
+
+def train_on_change(self, mode: bool = True):
+    """nn.Module.train that walks the modules only when the mode changes: the model's last call through here set
+    `mode`, and the first and last modules with trainable weights still hold it (a submodule switched on its own
+    shows there), or the walk runs. model.eval() comes through here too."""
+    sentinels = self.__dict__.get("_nb_mode_sentinels", ())
+    if self.__dict__.get("_nb_mode") == mode and all(m.training == mode for m in sentinels):
+        return self
+    type(self).train(self, mode)
+    self.__dict__["_nb_mode"] = mode
+    return self
+
+
+def walk_modes_on_change(model) -> None:
+    """Install train_on_change on this model (a bound method: a deep copy of the model gets its own)."""
+    import types
+
+    holders = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    model.__dict__["_nb_mode_sentinels"] = holders[:1] + holders[-1:]
+    model.__dict__.pop("_nb_mode", None)
+    model.train = types.MethodType(train_on_change, model)
 
 
 def trainer_token_count(model) -> str:
