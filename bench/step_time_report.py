@@ -53,7 +53,10 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")),  # from device call 31
                             absmax_once=bool((row.get("fast_levers") or {}).get("absmax_once")),  # from call 45
                             keep_dequantized=bool((row.get("fast_levers") or {}).get("keep_dequantized")),
-                            down_once=bool((row.get("fast_levers") or {}).get("down_once")))
+                            dropout_kernels=bool((row.get("fast_levers") or {}).get("dropout_kernels")),
+                            no_recompute_layers=row.get("no_recompute_layers") or 0,
+                            down_once=bool((row.get("fast_levers") or {}).get("down_once")),
+                            one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")))  # call 60
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -131,7 +134,9 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 "throughput-call41-w2048.json": None, "throughput-call42-w512.json": None,
                 "throughput-call42-w2048.json": None,
                 # the absmax kept decoded (call 45), with and without
-                "throughput-call45-w2048.json": None, "throughput-call45-w512.json": None}  # shipped rows: not here
+                "throughput-call45-w2048.json": None, "throughput-call45-w512.json": None,
+                # the host's share of the step (fast.host_step, call 60), with and without each lever
+                "throughput-call60.json": None}  # shipped rows: not here
 
 
 def throughput_rows() -> list[dict]:
@@ -145,10 +150,11 @@ def throughput_rows() -> list[dict]:
                 if r.get("recipe") != "ours" or not r.get("busy") or (keep is not None and run not in keep):
                     continue
                 path = flags(None, True, r.get("log") or [])
-                rows.append(dict(id=f"{workload}/{run}@{name.split('-')[1]}", shape="tinyllama-1.1b",
+                rows.append(dict(id=f"{workload}/{run}@{name.split('-')[1].removesuffix('.json')}", shape="tinyllama-1.1b",
                                  seq=entry["seq"], batch=r["micro_batch"], accum=r["accum"], rank=8,
                                  targets="q_proj,k_proj,v_proj,o_proj", gc=r["gc"], source=name,
                                  median_step_s=r["median_step_s"], busy=r["busy"], fast_levers=r.get("fast_levers"),
+                                 no_recompute_layers=r.get("no_recompute_layers") or 0,
                                  chosen={"offload_checkpoints": path["offload"], "cuda_graphs": path["graphs"]}))
     return rows
 
@@ -210,7 +216,7 @@ def main() -> None:
     result = validate(rows)
     changed = validate(throughput_rows())["points"]
     result["changed_path"] = {"what": "issue 27's path (dead_tail) and its lever runs: bench/throughput.py's profiled "
-                              "runs of device calls 31-45, held out", "summary": error_summary(changed),
+                              "runs of device calls 31-45 and 60, held out", "summary": error_summary(changed),
                               "points": changed}
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for p in result["points"]:

@@ -107,6 +107,7 @@ class PlanInput:
     keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
     down_once: bool = False  # with GC and dropout_kernels: the recompute reuses its forward's LoRA products (stashed)
     no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
+    one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
 
     @property
     def tokens(self) -> int:
@@ -324,7 +325,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail()
                     and keeps_dequantized_weights(shape, budget),
                     down_once=fast.down_once and fast.skips_dead_tail(),
-                    no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0)
+                    no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0,
+                    one_token_count=fast.one_token_count)
     return plan(shape, inp, budget_gib=budget)
 
 
