@@ -65,7 +65,8 @@ HOST_GC_STOCK_LAYER_S = 2.59e-3  # more, with checkpointing, where the stock (un
 HOST_EXTRA_NORM_LAYER_S = 2.79e-3  # per norm beyond two in a layer (Gemma's four)
 GRAPHED_MICRO_S = 1.41e-2  # a CUDA-graphed micro-step's host time the GPU waits for (loss, head, embeddings)
 STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging; not added where lever one_token_count
-#                   lets the host queue them before the backward ends (device call 60: 8 x 2048 and 8 x 512 within 3%)
+#                   lets the host queue them before the backward ends (device calls 60 and 62: 8 x 2048 and 8 x 512
+#                   within 9%)
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
 
