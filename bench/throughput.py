@@ -282,7 +282,8 @@ class HostPhases:
     """The host's time between points of every step, untraced (time.perf_counter at callbacks and hooks): fetching
     the batch (the move to the device and the next batch's collation), up to the embedding, the forward, the backward
     until the first adapter's gradient, on to the optimizer, the optimizer, the step's end and the log line. Medians
-    over the timed steps, in ms. With the GPU's timeline of a step (--gpu-trace) it says what the GPU waits for."""
+    over the timed steps, in ms, and every step's ("per_step"). With the GPU's timeline of a step (--gpu-trace) it says
+    what the GPU waits for."""
 
     def __init__(self):
         self.marks: list[tuple[str, float]] = []
@@ -330,7 +331,8 @@ class HostPhases:
             step += a == "step_end"
             if step >= skip_steps:
                 intervals.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e3)
-        return {k: round(statistics.median(v), 2) for k, v in intervals.items()}
+        medians = {k: round(statistics.median(v), 2) for k, v in intervals.items()}
+        return {**medians, "per_step": {k: [round(x, 1) for x in v] for k, v in intervals.items()}}
 
 
 def save_trace(prof, folder: Path, spec: dict) -> dict:
