@@ -77,6 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # sixty-third device call: the norms' backward for frozen weights over the rows, the layer input's two
+        # gradients summed inside it (fast.frozen_norms), taken out
+        *[run(workload, "no-frozen-norms", 8, 1, fast="frozen_norms=0", auto_fit=True, profile=True, steps=steps + 1)
+          for workload in ("w2048", "w512")],
         # sixtieth device call: the host's share of the step (fast.host_step): rows read as numpy arrays, the
         # Trainer's token count left out, model.train() walking the modules only on a change, each taken out again;
         # the host's time between points of the step (HostPhases), untraced

@@ -17,7 +17,7 @@ import pytest
 from nb_helpers.fast import compat
 
 PACKAGE = Path(compat.__file__).resolve().parents[1]
-SOURCES = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "compat.py"]
+SOURCES = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name not in ("compat.py", "compat_probes.py")]
 API_WORDS = {w for c in compat.CHECKS for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", c.api)}
 
 
@@ -36,8 +36,9 @@ def test_the_inventory_is_well_formed():
         assert check.levers and set(check.levers) <= levers, f"{check.api}: unknown lever in {check.levers}"
         assert check.library in {"torch", "transformers", "peft", "bitsandbytes", "trl", "liger_kernel", "gguf",
                                  "huggingface_hub"}
-    lines = (PACKAGE / "fast" / "compat.py").read_text(encoding="utf-8").count("\n")
-    assert lines <= 400, f"compat.py has {lines} lines"  # the package's limit (test_package_structure)
+    for name in ("compat.py", "compat_probes.py"):
+        lines = (PACKAGE / "fast" / name).read_text(encoding="utf-8").count("\n")
+        assert lines <= 400, f"{name} has {lines} lines"  # the package's limit (test_package_structure)
 
 
 def test_importing_compat_imports_no_library():
@@ -140,17 +141,25 @@ def test_a_peft_layer_without_per_adapter_scaling_turns_off_fused_lora(monkeypat
     assert compat.failed()["fused_lora"].startswith("peft.tuners.lora.LoraLayer: ")
 
 
-def write_liger(root: Path, rms_norm_forward: str, swiglu_backward: str = "a, b, dc, gate_multiplier=1.0") -> None:
+NORM_FORWARD = "def rms_norm_forward(X, W, eps, offset, casting_mode, row_mode):\n" \
+               "    return (Y.view(*shape), X, RSTD, BLOCK_SIZE, num_warps, casting_mode)\n"
+ADD_NORM = ("def fused_add_rms_norm_forward(X, R, W, eps, offset, casting_mode):\n"
+            "    return (Y.view(*shape), S.view(*shape), RSTD, BLOCK_SIZE, num_warps, num_stages, casting_mode)\n"
+            f"def _fused_add_rms_norm_backward_kernel({', '.join(compat.ADD_RMS_BACKWARD)}):\n    pass\n")
+
+
+def write_liger(root: Path, rms_norm_forward: str, swiglu_backward: str = "a, b, dc, gate_multiplier=1.0",
+                norm_forward: str = NORM_FORWARD) -> None:
     """A stand-in liger-kernel source tree (the real one needs Triton and a GPU to import; the checks only read it)."""
     files = {"__init__.py": "", "ops/__init__.py": "", "transformers/__init__.py": "",
              "ops/rms_norm.py": f"class LigerRMSNormFunction:\n    @staticmethod\n    def forward({rms_norm_forward}):\n"
-                                "        pass\n",
+                                f"        pass\n{norm_forward}",
              "ops/swiglu.py": "class LigerSiLUMulFunction:\n    @staticmethod\n"
                               "    def forward(ctx, a, b, gate_multiplier=1.0, down_multiplier=1.0):\n        pass\n"
                               f"def swiglu_backward({swiglu_backward}):\n    pass\n",
              "ops/fused_add_rms_norm.py": "class LigerFusedAddRMSNormFunction:\n    @staticmethod\n    def forward(ctx, "
                                           "X, R, W, eps, offset=0.0, casting_mode='llama', in_place=False):\n"
-                                          "        pass\n",
+                                          f"        pass\n{ADD_NORM}",
              "transformers/monkey_patch.py": "def apply_liger_kernel_to_llama(rope=True, cross_entropy=False, "
                                              "fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, "
                                              "model=None):\n    pass\n"}
@@ -172,6 +181,18 @@ def test_liger_signatures_are_read_from_source(monkeypatch, tmp_path):
     write_liger(tmp_path, "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None",
                 swiglu_backward="a, b, dc")  # gate_multiplier dropped: both levers that call it fall back
     assert set(compat.failed(["kernels", "fused_block"])) == {"kernels", "fused_block"}
+
+
+def test_a_changed_liger_norm_internal_turns_off_only_frozen_norms(monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stock = "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None"
+    write_liger(tmp_path, stock)
+    assert compat.failed(["kernels", "fused_block", "frozen_norms"]) == {}
+    write_liger(tmp_path, stock, norm_forward=NORM_FORWARD.replace("num_warps, casting_mode", "num_warps, mode, x"))
+    why = compat.failed(["kernels", "fused_block", "frozen_norms"])  # a value more in what the forward returns
+    assert set(why) == {"frozen_norms"} and "rms_norm_forward no longer does `return" in why["frozen_norms"]
 
 
 def test_fallback_note_is_the_one_line_the_brief_names():
@@ -338,6 +359,7 @@ INTERNAL = {
     r"\bgguf\.quants\.quantize\b": "quants.quantize", r"\bSpecialVocab\b": "SpecialVocab",
     r"\.contents\(\)": "ReaderField.contents", r"\braw_dtype=": "raw_dtype", r"\bdefault_generators\b": "default_generators",
     r"\brotate_checkpoints\b": "rotate_checkpoints", r"\.HF_HUB_OFFLINE\s*=": "HF_HUB_OFFLINE",
+    r"\brms_norm_forward\(": "rms_norm_forward", r"\bfused_add_rms_norm_forward\(": "fused_add_rms_norm_forward",
     r"\.capture_begin\(": "capture_begin", r"\bnative_dropout": "native_dropout", r"\bbase_model_prefix\b": "base_model_prefix",
 }
 

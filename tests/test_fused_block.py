@@ -56,7 +56,7 @@ def test_the_fused_block_trains_as_the_stock_layer(tiny_cfg, checkpointing):
     stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": 0}  # no liger on the CPU: the stock add + norm
+    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0}  # no liger on the CPU
     _same(stock, [train_step(model, ids) for _ in range(2)])
 
 
@@ -118,7 +118,8 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     import nb_helpers.fast as fast
 
     calls, kept = [], []
-    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger: calls.append(liger) or True)
+    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen: calls.append((liger, frozen))
+                        or {"layers": 2, "frozen_norms": 2 * frozen})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
@@ -127,15 +128,18 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
     assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
-    fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True), cfg)
-    assert calls == [True] and model._nb_levers["fused_block"] is True
+    fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False), cfg)
+    assert calls == [(True, False)] and model._nb_levers["fused_block"] is True
+    assert model._nb_levers["frozen_norms"] is False
     assert kept == [(model, 4.0)] and model._nb_levers["absmax_once"] is True
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs,offload", [(False, False), (False, True), (True, False)])
-def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, graphs, offload):
-    """With liger's kernels: the fused add + RMSNorm and SwiGLU, the dead recompute, CUDA graphs and offload."""
+@pytest.mark.parametrize("graphs,offload,frozen", [(False, False, False), (False, True, False), (True, False, False),
+                                                   (False, False, True), (False, True, True), (True, False, True)])
+def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, graphs, offload, frozen):
+    """With liger's kernels: the fused add + RMSNorm and SwiGLU, the dead recompute, CUDA graphs and offload; `frozen`:
+    the norms' backward of lever frozen_norms (fast.frozen_norms)."""
     from nb_helpers.fast import graphed_layers
 
     graphed_layers.reset()
@@ -144,9 +148,9 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     stock = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
-    counts = fused_block.install(model, liger=True)
+    counts = fused_block.install(model, liger=True, frozen=frozen)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": layers}
+    assert counts == {"layers": layers, "mlps": layers, "norms": layers, "frozen_norms": layers * frozen}
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     ours = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(torch.isfinite(loss) for loss, _ in ours)

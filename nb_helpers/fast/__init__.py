@@ -81,7 +81,9 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
-        record(model, "fused_block", apply_fused_block(model, liger=bool(model._nb_levers.get("kernels"))))
+        counts = apply_fused_block(model, liger=bool(model._nb_levers.get("kernels")), frozen=fast.frozen_norms)
+        record(model, "fused_block", counts["layers"] > 0)
+        record(model, "frozen_norms", counts["frozen_norms"] > 0)
     if cfg.fast_path:
         install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
     elif cfg.offload_checkpoints:
@@ -155,10 +157,11 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
+    ran["frozen_norms"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("frozen_norms"))
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once"):
+                      "down_once", "frozen_norms"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

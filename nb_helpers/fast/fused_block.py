@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import recompute
+from nb_helpers.fast import frozen_norms, recompute
 from nb_helpers.fast.fused_lora import _dequantize, _weight_for_backward, frozen_linear
 
 
@@ -119,8 +119,10 @@ def _mlp_forward(self, x, residual=None):
     return out
 
 
-def _add_norm(hidden_states, residual, norm, liger: bool):
-    """(norm(residual + hidden_states), residual + hidden_states)."""
+def _add_norm(hidden_states, residual, norm, liger: bool, frozen: bool = False):
+    """(norm(residual + hidden_states), residual + hidden_states); `frozen`: lever frozen_norms' backward."""
+    if frozen:
+        return frozen_norms.add_norm(hidden_states, residual, norm)
     if liger:
         from liger_kernel.ops import LigerFusedAddRMSNormFunction
 
@@ -134,12 +136,15 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
                    use_cache=False, position_embeddings=None, **kwargs):
     """transformers' LlamaDecoderLayer.forward, with the post-attention add and norm fused and the last add skipped
     where its value is thrown away."""
-    residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
+    if self._nb_frozen_norms:  # the input's two gradients summed inside the norm's backward kernel
+        hidden_states, residual = frozen_norms.norm_keeping_input(hidden_states, self.input_layernorm)
+    else:
+        residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
                                       position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
                                       position_embeddings=position_embeddings, **kwargs)
-    hidden_states, residual = _add_norm(hidden_states, residual, self.post_attention_layernorm, self._nb_liger_norm)
+    hidden_states, residual = _add_norm(hidden_states, residual, self.post_attention_layernorm, self._nb_liger_norm,
+                                        self._nb_frozen_norms)
     if not torch.is_grad_enabled() and hasattr(self.mlp, "_nb_liger") and residual.dtype == hidden_states.dtype:
         return self.mlp(hidden_states, residual=residual)  # the fused MLP: the last add inside its down GEMM
     hidden_states = self.mlp(hidden_states)
@@ -162,23 +167,27 @@ def _liger_norm(norm) -> bool:
         and getattr(norm, "row_mode", None) is None and getattr(norm, "weight", None) is not None
 
 
-def install(model, liger: bool) -> dict[str, int]:
+def install(model, liger: bool, frozen: bool = False) -> dict[str, int]:
     """Route each Llama decoder layer through _layer_forward, and each MLP whose projections are frozen 4-bit layers
-    through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels). Returns how many layers, MLPs and
-    fused norms were patched."""
+    through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels); `frozen`: lever frozen_norms, where
+    both of a layer's norms are liger's with frozen weights. Returns how many layers, MLPs, fused norms and layers with
+    frozen_norms' backward were patched."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from nb_helpers.fast.mask import decoder_of
 
-    counts = {"layers": 0, "mlps": 0, "norms": 0}
+    counts = {"layers": 0, "mlps": 0, "norms": 0, "frozen_norms": 0}
     decoder = decoder_of(model)
     for layer in getattr(decoder, "layers", []):
         if type(layer) is not LlamaDecoderLayer:
             continue
         layer._nb_liger_norm = liger and _liger_norm(layer.post_attention_layernorm)
+        layer._nb_frozen_norms = frozen and layer._nb_liger_norm and _liger_norm(layer.input_layernorm) and all(
+            frozen_norms.takes(n) for n in (layer.input_layernorm, layer.post_attention_layernorm))
         layer.forward = types.MethodType(_layer_forward, layer)
         counts["layers"] += 1
         counts["norms"] += layer._nb_liger_norm
+        counts["frozen_norms"] += layer._nb_frozen_norms
         if _frozen_mlp(layer.mlp, decoder.config):
             mlp = layer.mlp
             mlp._nb_direct, mlp._nb_liger = mlp.gate_proj._nb_direct, liger
@@ -187,14 +196,14 @@ def install(model, liger: bool) -> dict[str, int]:
     return counts
 
 
-def apply_fused_block(model, liger: bool, verbose: bool = True) -> bool:
-    """install(), and one line saying what it patched; False where the model has no Llama layers."""
+def apply_fused_block(model, liger: bool, verbose: bool = True, frozen: bool = False) -> dict[str, int]:
+    """install(), and one line saying what it patched (counts["layers"] is 0 where the model has no Llama layers)."""
     from nb_helpers.frontend import say_once
 
-    counts = install(model, liger)
+    counts = install(model, liger, frozen)
     if verbose and counts["layers"]:
         say_once("fused-block", f"[fast] {counts['layers']} Llama layers with {counts['mlps']} MLPs as one function "
                                 f"each and {counts['norms']} fused add + RMSNorm")
     elif verbose:
         say_once("fused-block-off", "[fast] fused layer blocks off: not Llama decoder layers (the stock layers run)")
-    return counts["layers"] > 0
+    return counts

@@ -50,6 +50,8 @@ class FastOptions:
     #                               waits on every backward before the optimizer step is queued (fast.host_step); CUDA
     mode_on_change: bool = True  # model.train() walks the modules only when the mode changes: the Trainer calls it
     #                              before every micro-batch (fast.host_step); CUDA
+    frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
+    #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
