@@ -113,7 +113,9 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
                                              "(call 59, held out)", True, None),
               # the host's share of the step (fast.host_step, call 60: no GPU memory either way), with and without
               "raw/throughput-call60.json": ("host-side levers, 8 x 2048 and 8 x 512 (call 60, held out)", True, None),
-              "raw/throughput-call62.json": ("the default path, all three workloads (call 62, held out)", True, None)}
+              "raw/throughput-call62.json": ("the default path, all three workloads (call 62, held out)", True, None),
+              "raw/throughput-call63.json": ("the norms' backward for frozen weights, with and without (call 63, "
+                                             "held out)", True, None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),

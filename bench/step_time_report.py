@@ -56,7 +56,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             dropout_kernels=bool((row.get("fast_levers") or {}).get("dropout_kernels")),
                             no_recompute_layers=row.get("no_recompute_layers") or 0,
                             down_once=bool((row.get("fast_levers") or {}).get("down_once")),
-                            one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")))  # call 60
+                            one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")),  # call 60
+                            frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")))  # call 63
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -136,7 +137,9 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 # the absmax kept decoded (call 45), with and without
                 "throughput-call45-w2048.json": None, "throughput-call45-w512.json": None,
                 # the host's share of the step (fast.host_step, call 60), with and without each lever
-                "throughput-call60.json": None, "throughput-call62.json": {"ours"}}  # shipped rows: not here
+                "throughput-call60.json": None, "throughput-call62.json": {"ours"},  # shipped rows: not here
+                # the norms' backward for frozen weights (fast.frozen_norms, call 63), with and without
+                "throughput-call63.json": None}
 
 
 def throughput_rows() -> list[dict]:
@@ -218,7 +221,7 @@ def main() -> None:
     result = validate(rows)
     changed = validate(throughput_rows())["points"]
     result["changed_path"] = {"what": "issue 27's path (dead_tail) and its lever runs: bench/throughput.py's profiled "
-                              "runs of device calls 31-45, 60 and 62, held out", "summary": error_summary(changed),
+                              "runs of device calls 31-45, 60, 62 and 63, held out", "summary": error_summary(changed),
                               "points": changed}
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for p in result["points"]:

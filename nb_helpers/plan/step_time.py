@@ -67,6 +67,9 @@ GRAPHED_MICRO_S = 1.41e-2  # a CUDA-graphed micro-step's host time the GPU waits
 STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging; not added where lever one_token_count
 #                   lets the host queue them before the backward ends (device calls 60 and 62: 8 x 2048 and 8 x 512
 #                   within 9%)
+# lever frozen_norms: the fused-norm elements each norm's backward no longer costs, per hidden element of a token and
+# layer (device call 63: the norms' backward and the input's gradient sums took 5.4 ms less of an 8 x 2048 step)
+FROZEN_NORMS_SAVED = 0.34
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
 
@@ -112,6 +115,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     fused = fused_kernels_apply(shape, inp)
     q_and_k = (shape.heads + shape.kv_heads) * shape.head_dim * (2 if shape.qk_norm else 1)
     norm_elements = tokens * layers * (shape.norms_per_layer * shape.hidden + q_and_k) * (1 + gc)
+    if fused and getattr(inp, "frozen_norms", False) and shape.family == "llama":  # fast.fused_block's layers
+        norm_elements -= FROZEN_NORMS_SAVED * tokens * layers * 2 * shape.hidden
     return {
         "matmul_flops": 2 * tokens * weights_per_pass + 4 * tokens * shape.hidden * shape.vocab,
         "gemm_launches": gemms + 2,
