@@ -77,6 +77,9 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # sixty-fifth device call: NF4 weights dequantized by one Triton kernel inside CUDA graphs (fast.nf4), taken
+        # out (8 x 512 is the workload auto-fit graphs)
+        run("w512", "no-nf4-in-graphs", 8, 1, fast="nf4_in_graphs=0", auto_fit=True, profile=True, steps=steps + 1),
         # sixty-third device call: the norms' backward for frozen weights over the rows, the layer input's two
         # gradients summed inside it (fast.frozen_norms), taken out
         *[run(workload, "no-frozen-norms", 8, 1, fast="frozen_norms=0", auto_fit=True, profile=True, steps=steps + 1)

@@ -76,6 +76,10 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
+        if fast.nf4_in_graphs and fast.direct_dequant and model._nb_levers.get("fused_lora"):
+            from nb_helpers.fast.fused_lora import mark_nf4
+
+            record(model, "nf4_in_graphs", mark_nf4(model) > 0)
         if fast.keep_dequantized:
             record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
@@ -158,10 +162,11 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     ran["frozen_norms"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("frozen_norms"))
+    ran["nf4_in_graphs"] = bool(ran["graphs"] and getattr(model, "_nb_levers", {}).get("nf4_in_graphs"))
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once", "frozen_norms"):
+                      "down_once", "frozen_norms", "nf4_in_graphs"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

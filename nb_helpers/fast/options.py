@@ -52,6 +52,8 @@ class FastOptions:
     #                              before every micro-batch (fast.host_step); CUDA
     frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
+    nf4_in_graphs: bool = True  # inside CUDA graphs, NF4 weights dequantized by one Triton kernel with bitsandbytes'
+    #                             bits (fast.nf4): replays launch it for free; CUDA, fused_lora, direct_dequant, graphs
     # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
     # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
     # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
