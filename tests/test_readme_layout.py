@@ -23,12 +23,12 @@ def listed(block: str) -> dict[str, set[str]]:
             head, _, text = line.strip().partition("  ")
             if head.endswith("/"):
                 folder = head[:-1]
-                found[folder] = set(re.findall(r"[a-z_]+", text))
+                found[folder] = set(re.findall(r"[a-z_0-9]+", text))
             else:
                 folder = None
                 found[""] |= {name.strip() for name in head.split(",")}
         elif line.startswith("   ") and folder is not None:
-            found[folder] |= set(re.findall(r"[a-z_]+", line))
+            found[folder] |= set(re.findall(r"[a-z_0-9]+", line))
         else:
             folder = None
     return found
