@@ -115,7 +115,12 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call60.json": ("host-side levers, 8 x 2048 and 8 x 512 (call 60, held out)", True, None),
               "raw/throughput-call62.json": ("the default path, all three workloads (call 62, held out)", True, None),
               "raw/throughput-call63.json": ("the norms' backward for frozen weights, with and without (call 63, "
-                                             "held out)", True, None)}
+                                             "held out)", True, None),
+              "raw/throughput-call64.json": ("the default path, 8 x 2048 and shipped (call 64, held out)", True, None),
+              "raw/throughput-call65.json": ("NF4 dequantized inside CUDA graphs, with and without (call 65, held out)",
+                                             True, None),
+              **{f"raw/throughput-call66-{pair}.json": (f"NF4 inside graphs, order swapped (call 66, {pair}, held out)",
+                                                       True, None) for pair in ("1-no-nf4", "1-ours", "2-no-nf4", "2-ours")}}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),

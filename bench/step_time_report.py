@@ -57,7 +57,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             no_recompute_layers=row.get("no_recompute_layers") or 0,
                             down_once=bool((row.get("fast_levers") or {}).get("down_once")),
                             one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")),  # call 60
-                            frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")))  # call 63
+                            frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")),  # call 63
+                            nf4_in_graphs=bool((row.get("fast_levers") or {}).get("nf4_in_graphs")))  # call 65
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -139,7 +140,11 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 # the host's share of the step (fast.host_step, call 60), with and without each lever
                 "throughput-call60.json": None, "throughput-call62.json": {"ours"},  # shipped rows: not here
                 # the norms' backward for frozen weights (fast.frozen_norms, call 63), with and without
-                "throughput-call63.json": None}
+                "throughput-call63.json": None, "throughput-call64.json": None,
+                # NF4 dequantized by one Triton kernel inside CUDA graphs (fast.nf4, calls 65-66), with and without
+                "throughput-call65.json": None, "throughput-call66-1-no-nf4.json": None,
+                "throughput-call66-1-ours.json": None, "throughput-call66-2-no-nf4.json": None,
+                "throughput-call66-2-ours.json": None}
 
 
 def throughput_rows() -> list[dict]:
@@ -221,7 +226,7 @@ def main() -> None:
     result = validate(rows)
     changed = validate(throughput_rows())["points"]
     result["changed_path"] = {"what": "issue 27's path (dead_tail) and its lever runs: bench/throughput.py's profiled "
-                              "runs of device calls 31-45, 60, 62 and 63, held out", "summary": error_summary(changed),
+                              "runs of device calls 31-45 and 60-66, held out", "summary": error_summary(changed),
                               "points": changed}
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
     for p in result["points"]:

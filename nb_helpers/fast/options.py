@@ -175,6 +175,11 @@ LEVERS = {
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
                      "12.76 against 13.05 at 8 x 512 (steps the same) (call 63)"),
+    "nf4_in_graphs": ("inside CUDA graphs, NF4 weights dequantized by one Triton kernel (bitsandbytes' bits); eager "
+                      "steps keep bitsandbytes' kernel, whose launch costs the host less", "GPU compute 12.61 against "
+                      "12.76 us/token at 8 x 512 (dequantize 2.79 against 3.75 ms a step); steps 0.065 and 0.064 "
+                      "against 0.066 and 0.068 s in two order-swapped pairs, 0.068 against 0.066 in a third (calls "
+                      "65-66)"),
     "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
                          "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),

@@ -109,6 +109,7 @@ class PlanInput:
     no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
     one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
+    nf4_in_graphs: bool = False  # with graphs: NF4 dequantized by fast.nf4's kernel inside them: time only
 
     @property
     def tokens(self) -> int:
@@ -328,7 +329,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     down_once=fast.down_once and fast.skips_dead_tail(),
                     no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0,
                     one_token_count=fast.one_token_count,
-                    frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels)
+                    frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels,
+                    nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant)
     return plan(shape, inp, budget_gib=budget)
 
 

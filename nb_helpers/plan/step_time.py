@@ -70,6 +70,9 @@ STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging; not ad
 # lever frozen_norms: the fused-norm elements each norm's backward no longer costs, per hidden element of a token and
 # layer (device call 63: the norms' backward and the input's gradient sums took 5.4 ms less of an 8 x 2048 step)
 FROZEN_NORMS_SAVED = 0.34
+# lever nf4_in_graphs: inside CUDA graphs a dequantized byte costs this share of bitsandbytes' (device call 65: the
+# 422 dequantizes of an 8 x 512 graphed step took 2.79 against 3.75 ms)
+NF4_IN_GRAPHS_BYTES = 0.745
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
 
@@ -125,7 +128,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
-        "dequant_bytes": 2.5 * dequantized,
+        "dequant_bytes": 2.5 * dequantized * (NF4_IN_GRAPHS_BYTES if inp.graphs and getattr(inp, "nf4_in_graphs", False)
+                                              and inp.gradient_checkpointing else 1.0),
         "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * dequantizes,  # absmax per call or kept
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
