@@ -8,8 +8,8 @@ The course reaches it through this module alone, in four calls:
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
-                                          #   fast.fused_lora, fast.fused_block, fast.checkpoints, fast.offload,
-                                          #   fast.graphed_layers)
+                                          #   fast.fused_lora, fast.nf4, fast.fused_block, fast.frozen_norms,
+                                          #   fast.checkpoints, fast.offload, fast.graphed_layers)
     adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
                                           #   fast.optimizer_step)
