@@ -203,7 +203,8 @@ def apply_fused_block(model, liger: bool, verbose: bool = True, frozen: bool = F
     counts = install(model, liger, frozen)
     if verbose and counts["layers"]:
         say_once("fused-block", f"[fast] {counts['layers']} Llama layers with {counts['mlps']} MLPs as one function "
-                                f"each and {counts['norms']} fused add + RMSNorm")
+                                f"each and {counts['norms']} fused add + RMSNorm ({counts['frozen_norms']} with the "
+                                "frozen norms' backward)")
     elif verbose:
         say_once("fused-block-off", "[fast] fused layer blocks off: not Llama decoder layers (the stock layers run)")
     return counts

@@ -10,12 +10,14 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
                  flash backward of 2.5 forwards
     dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and two launches per GEMM (one where the
                  double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax); the backward reuses
-                 the recompute's weights where they are kept (fast.recompute.keeps_weights)
+                 the recompute's weights where they are kept (fast.recompute.keeps_weights); a byte costs less inside
+                 CUDA graphs, where fast.nf4's kernel runs
     (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params;
     the last no_recompute_layers layers are not recomputed at all: recomputed_layers; it reuses its forward's LoRA
     products where lever down_once stashes them)
     other        norms, activations, RoPE, dropout, residual adds, the loss over the vocabulary: elements touched
-                 (liger's fused kernels touch fewer), and a fixed cost per layer pass
+                 (liger's fused kernels touch fewer, and fewer again where fast.frozen_norms runs the norms'
+                 backward), and a fixed cost per layer pass
 
 Compute units scale with the card's 16-bit matmul peak, bytes with its memory bandwidth, launches not at all. The
 host (Python, peft, autograd launching kernels) costs a fixed time per layer and micro-step; an eager micro-step
