@@ -50,6 +50,26 @@ def test_without_triton_nothing_is_marked_and_one_line_says_so(monkeypatch, caps
     assert "NF4 dequantize kernel off: Triton is not importable" in capsys.readouterr().out
 
 
+def test_a_kernel_that_cannot_compile_leaves_every_weight_to_bitsandbytes(monkeypatch, capsys):
+    """An old GPU Triton cannot compile for: the warm-up fails before any capture, nothing stays marked, one line."""
+    from nb_helpers import frontend
+
+    class Refusing:
+        class dequantize_kernel:
+            def __class_getitem__(cls, grid):
+                raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(frontend, "_SAID", set(), raising=False)
+    monkeypatch.setattr(nf4, "kernels", lambda: Refusing)
+    monkeypatch.setattr(nf4, "takes", lambda state: True)
+    states = [_State((2048, 2048)), _State((256, 2048))]
+    for state in states:
+        state.absmax = torch.zeros(64)
+    assert nf4.mark(states) == 0
+    assert not any(hasattr(state, nf4.TABLE) for state in states)
+    assert "NF4 dequantize kernel off: it did not compile or run on this GPU" in capsys.readouterr().out
+
+
 def test_outside_a_capture_the_kernel_is_not_taken():
     state = _State((2048, 2048))
     setattr(state, nf4.TABLE, torch.zeros(16))

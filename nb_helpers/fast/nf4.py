@@ -60,11 +60,18 @@ def mark(states) -> int:
         device = state.absmax.device
         tables.setdefault(device, torch.tensor(NF4, dtype=torch.float32, device=device))
         setattr(state, TABLE, tables[device])
-    for device, dtype, blocksize in {(s.absmax.device, s.dtype, s.blocksize) for s in marked}:
-        warm = type("Warm", (), dict(shape=torch.Size([2 * BYTES]), dtype=dtype, blocksize=blocksize))()
-        setattr(warm, TABLE, tables[device])
-        dequantize(torch.zeros(BYTES, dtype=torch.uint8, device=device),
-                   torch.ones(2 * BYTES // blocksize, device=device), warm)
+    try:
+        for device, dtype, blocksize in {(s.absmax.device, s.dtype, s.blocksize) for s in marked}:
+            warm = type("Warm", (), dict(shape=torch.Size([2 * BYTES]), dtype=dtype, blocksize=blocksize))()
+            setattr(warm, TABLE, tables[device])
+            dequantize(torch.zeros(BYTES, dtype=torch.uint8, device=device),
+                       torch.ones(2 * BYTES // blocksize, device=device), warm)
+    except Exception as e:  # noqa: BLE001 - a GPU Triton cannot compile for: bitsandbytes' kernels everywhere
+        for state in marked:
+            delattr(state, TABLE)
+        say_once("nf4-kernel-compile", f"[fast] NF4 dequantize kernel off: it did not compile or run on this GPU "
+                                       f"({type(e).__name__}: {str(e)[:120]}); bitsandbytes' kernels run (same bits)")
+        return 0
     return len(marked)
 
 
