@@ -5,7 +5,8 @@ Every step dequantizes each 4-bit weight once per pass (forward, recompute, back
 TinyLlama-1.1B. bitsandbytes' kDequantizeBlockwise took 3.7 ms of an H200's step for them, about half the memory's
 speed; at 8 x 512 tokens that is 0.9 us of GPU time per token, the largest kernel kind after the GEMMs. This kernel
 reads each packed byte once, looks its two codes up in the NF4 table and scales them by their block's fp32 absmax, in
-fp32, rounded once: bitsandbytes' arithmetic, so the same bits (the GPU tests compare them).
+fp32, rounded once: bitsandbytes' arithmetic, so the same bits (the GPU tests compare them). Device call 65, 8 x 512
+graphed: 2.79 ms a step instead of 3.75.
 
 Only inside a CUDA graph's capture (fast.graphed_layers): a graph replays its kernels without the host launching
 them, while in eager steps each Triton launch costs the host about 8 us more than bitsandbytes' (device call 58: the
