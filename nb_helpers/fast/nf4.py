@@ -17,6 +17,7 @@ program's 2,048 values, FP4, and weights whose absmax is not kept in fp32 stay o
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -63,8 +64,8 @@ def mark(states) -> int:
         setattr(state, TABLE, tables[device])
     try:
         for device, dtype, blocksize in {(s.absmax.device, s.dtype, s.blocksize) for s in marked}:
-            warm = type("Warm", (), dict(shape=torch.Size([2 * BYTES]), dtype=dtype, blocksize=blocksize))()
-            setattr(warm, TABLE, tables[device])
+            warm = SimpleNamespace(shape=torch.Size([2 * BYTES]), dtype=dtype, blocksize=blocksize,
+                                   **{TABLE: tables[device]})  # one program's worth of zeros, to compile
             dequantize(torch.zeros(BYTES, dtype=torch.uint8, device=device),
                        torch.ones(2 * BYTES // blocksize, device=device), warm)
     except Exception as e:  # noqa: BLE001 - a GPU Triton cannot compile for: bitsandbytes' kernels everywhere
