@@ -4,7 +4,8 @@ base GEMM that adds into the output in both. Also checks the kernels against tor
 
     python bench/lora_dropout_bench.py --out results.json     # on the device; prints a table last
 
-Times are CUDA-event medians (median_ms), per call of one projection.
+Times are CUDA-event medians (median_ms), per call of one projection. The kernels' own launch settings are
+swept by bench/lora_kernel_sweep.py.
 """
 
 from __future__ import annotations
@@ -101,37 +102,9 @@ def check(t, p, s) -> dict:
             "grad_a": rel(grad_a, ref_a), "grad_x": rel(grad_x, ref_x)}
 
 
-def sweep(t, p, s) -> list[dict]:
-    """Each kernel alone over a few tile sizes and warp counts (ms a call)."""
-    k, x, a, b = ld.kernels(), t["x"], t["a"], t["b"]
-    tokens, features = x.shape
-    seed, down = ld.draw_seed("cuda"), torch.empty(tokens, a.shape[0], dtype=x.dtype, device="cuda")
-    out = torch.empty(tokens, b.shape[0], dtype=x.dtype, device="cuda")
-    gd = torch.randn(tokens, a.shape[0], device="cuda", dtype=x.dtype)
-    grad_x = torch.empty_like(x)
-    rows = []
-    for bt, bk, warps in itertools.product((32, 64, 128), (64, 128), (4, 8)):
-        splits, per_split = ld.row_splits(tokens, features, bt, bk)
-        parts = torch.empty(splits, 16, features, device="cuda")
-
-        def down_call():
-            k.down_kernel[(-(-tokens // bt),)](x, a, b, down, out, seed, tokens, features, a.shape[0], b.shape[0],
-                                               ld.threshold(p), ld.keep_scale(p), s, R=16, BT=bt, BK=bk, BN=128,
-                                               WRITE_OUT=True, num_warps=warps)
-
-        def backward_call():
-            k.backward_kernel[(features // bk, parts.shape[0])](gd, x, a, grad_x, parts, seed, tokens, features,
-                                                                a.shape[0], ld.threshold(p), ld.keep_scale(p),
-                                                                per_split, R=16, BT=bt, BK=bk, num_warps=warps)
-        rows.append({"bt": bt, "bk": bk, "warps": warps, "down_ms": median_ms(down_call, 7, 2),
-                     "backward_ms": median_ms(backward_call, 7, 2)})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
     p, s, results = 0.05, 2.0, []
     for tokens, (name, outputs) in itertools.product((16384, 4096), (("q/o", 2048), ("k/v", 256))):
@@ -143,10 +116,7 @@ def main() -> None:
                "torch_backward_ms": median_ms(tb), "kernels_backward_ms": median_ms(kb),
                "base_gemm_ms": median_ms(lambda: t["x"] @ t["w"].t()),
                "base_grad_gemm_ms": median_ms(lambda: t["g"] @ t["w"]), "check": check(t, p, s)}
-        if args.sweep and outputs == 2048:
-            row["sweep"] = sweep(t, p, s)
         results.append(row)
-        del t
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
@@ -156,9 +126,6 @@ def main() -> None:
         print(f"{r['tokens']:6d} {r['projection']:>4} {r['torch_forward_ms'] * 1e3:9.1f} {r['kernels_forward_ms'] * 1e3:9.1f}"
               f" {r['torch_backward_ms'] * 1e3:9.1f} {r['kernels_backward_ms'] * 1e3:9.1f} {r['base_gemm_ms'] * 1e3:6.1f}"
               f" {max(v for k, v in r['check'].items() if k != 'keep_rate'):13.2e}  keep {r['check']['keep_rate']:.5f}")
-        for sw in r.get("sweep", []):
-            print(f"    BT {sw['bt']:3d} BK {sw['bk']:3d} warps {sw['warps']}: down {sw['down_ms'] * 1e3:6.1f} us, "
-                  f"backward {sw['backward_ms'] * 1e3:6.1f} us")
 
 
 if __name__ == "__main__":

@@ -78,55 +78,75 @@ def _col_tile(features: int) -> int:
     return 128 if features % 128 == 0 else 64  # 128: 79 against 94 us for the forward (call 39's sweep)
 
 
-def row_splits(tokens: int, features: int, rows: int, cols: int) -> tuple[int, int]:
-    """(splits, rows per split) of the backward kernel's grid: about two programs per SM of an H200, whole tiles."""
-    splits = max(1, min(-(-tokens // rows), -(-264 // (features // cols))))
+def tiles(kernel: str, tokens: int, features: int) -> dict:
+    """Each kernel's launch settings: its tiles (rows BT, input columns BK, outputs BN), warps and pipeline stages;
+    for "forward", whether `out` is written by the down kernel itself (split=False) or by out_kernel after it; for
+    "backward", how many programs per SM its row splits aim at."""
+    rows, cols = _row_tile(tokens), _col_tile(features)
+    return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),
+            "out": dict(BT=64, BN=128, num_warps=4, num_stages=1),
+            "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2)}[kernel]
+
+
+def _launch(settings: dict) -> dict:
+    return {key: settings[key] for key in ("num_warps", "num_stages")}
+
+
+def row_splits(tokens: int, features: int, rows: int, cols: int, per_sm: int = 2) -> tuple[int, int]:
+    """(splits, rows per split) of the backward kernel's grid: about `per_sm` programs per SM of an H200, whole
+    tiles."""
+    splits = max(1, min(-(-tokens // rows), -(-132 * per_sm // (features // cols))))
     rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
     return -(-tokens // rows_per_split), rows_per_split
 
 
-def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = True):
+def dropped_down(flat, a, b, seed, p: float, scaling: float, write_out: bool = True, settings: dict | None = None):
     """(down, out): down = dropout(flat) A^T (tokens x rank, flat's dtype); out = scaling * down B^T (tokens x
-    outputs), or None without `write_out` (a product nothing reads: fast.recompute)."""
+    outputs), or None without `write_out` (a product nothing reads: fast.recompute). `settings`: tiles()'s, for
+    benchmarks."""
     tokens, features = flat.shape
     rank, outputs = a.shape[0], b.shape[0]
+    settings = settings or tiles("forward", tokens, features)
+    fused = write_out and not settings["split"]
     down = torch.empty(tokens, rank, dtype=flat.dtype, device=flat.device)
-    out = torch.empty(tokens, outputs, dtype=flat.dtype, device=flat.device) if write_out else down
-    rows, cols = _row_tile(tokens), _col_tile(features)
-    kernels().down_kernel[(-(-tokens // rows),)](
+    out = torch.empty(tokens, outputs, dtype=flat.dtype, device=flat.device) if fused else down
+    kernels().down_kernel[(-(-tokens // settings["BT"]),)](
         flat, a.contiguous(), b.contiguous(), down, out, seed, tokens, features, rank, outputs, threshold(p),
-        keep_scale(p), scaling, R=_rank_tile(rank), BT=rows, BK=cols, BN=128, WRITE_OUT=write_out, FROM_DOWN=False,
-        num_warps=4)
+        keep_scale(p), scaling, R=_rank_tile(rank), BT=settings["BT"], BK=settings["BK"], BN=settings["BN"],
+        WRITE_OUT=fused, **_launch(settings))
+    if write_out and not fused:
+        out = out_from_down(down, b, scaling)
     return down, (out if write_out else None)
 
 
-def out_from_down(down, b, scaling: float):
-    """scaling * down B^T from a `down` dropped_down made before (a recompute reusing its forward's, lever down_once):
-    the bits dropped_down writes for it, with neither the input read nor the mask drawn again."""
+def out_from_down(down, b, scaling: float, settings: dict | None = None):
+    """scaling * down B^T: the bits dropped_down writes for `down` (each element is the same rank-r dot), from a
+    `down` made before (a recompute reusing its forward's, lever down_once) or just now (split forward)."""
     tokens, rank = down.shape
     outputs = b.shape[0]
+    settings = settings or tiles("out", tokens, outputs)
     out = torch.empty(tokens, outputs, dtype=down.dtype, device=down.device)
-    kernels().down_kernel[(-(-tokens // _row_tile(tokens)),)](
-        down, b, b.contiguous(), down, out, down, tokens, FEATURE_STEP, rank, outputs, 0, 1.0, scaling,
-        R=_rank_tile(rank), BT=_row_tile(tokens), BK=FEATURE_STEP, BN=128, WRITE_OUT=True, FROM_DOWN=True,
-        num_warps=4)
+    grid = (-(-tokens // settings["BT"]), -(-outputs // settings["BN"]))
+    kernels().out_kernel[grid](down, b.contiguous(), out, tokens, rank, outputs, scaling, R=_rank_tile(rank),
+                               BT=settings["BT"], BN=settings["BN"], **_launch(settings))
     return out
 
 
-def grads(grad_down, flat, a, seed, p: float):
+def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     """(grad_A, grad_x) through the same mask as dropped_down's, drawn once for both: grad_down^T dropout(flat) (rank
     x features, fp32) and (grad_down A) * mask / (1 - p) (tokens x features, LoRA's share of the input's gradient,
     into which the base GEMM then adds)."""
     tokens, features = flat.shape
     rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
-    rows, cols = _row_tile(tokens), _col_tile(features)
-    splits, rows_per_split = row_splits(tokens, features, rows, cols)
+    settings = settings or tiles("backward", tokens, features)
+    rows, cols = settings["BT"], settings["BK"]
+    splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"])
     parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
     kernels().backward_kernel[(features // cols, splits)](
         grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
-        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, num_warps=4)
-    return parts.sum(0)[:rank].mul_(keep_scale(p)), grad_x
+        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, **_launch(settings))
+    return (parts[0] if splits == 1 else parts.sum(0))[:rank], grad_x
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

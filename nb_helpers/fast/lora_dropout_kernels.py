@@ -28,26 +28,22 @@ def keep_mask(seed, rows, col0, features, threshold, BT: tl.constexpr, BK: tl.co
 @triton.jit
 def down_kernel(x_ptr, a_ptr, b_ptr, down_ptr, out_ptr, seed_ptr, tokens, features, rank, outputs, threshold,
                 inv_keep, scaling, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                WRITE_OUT: tl.constexpr, FROM_DOWN: tl.constexpr):
+                WRITE_OUT: tl.constexpr):
     """down = dropout(x) A^T (tokens x rank); with WRITE_OUT also out = scaling * down B^T (tokens x outputs), into
-    which the base GEMM then adds. x is read once; neither the dropped copy nor the mask is written. FROM_DOWN: `down`
-    is read, not computed (a recompute reusing its forward's): x and the mask are not touched, `out` the same bits."""
+    which the base GEMM then adds. x is read once; neither the dropped copy nor the mask is written."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     ranks = tl.arange(0, R)
     inside = (rows[:, None] < tokens) & (ranks[None, :] < rank)
-    if FROM_DOWN:
-        down = tl.load(down_ptr + rows[:, None] * rank + ranks[None, :], mask=inside, other=0.0)
-    else:
-        seed = tl.load(seed_ptr)
-        acc = tl.zeros((BT, R), dtype=tl.float32)
-        for col0 in range(0, features, BK):
-            cols = col0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=rows[:, None] < tokens, other=0.0)
-            x = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), x, 0.0).to(x.dtype)
-            a = tl.load(a_ptr + ranks[None, :] * features + cols[:, None], mask=ranks[None, :] < rank, other=0.0)
-            acc += tl.dot(x, a.to(x.dtype))
-        down = (acc * inv_keep).to(down_ptr.dtype.element_ty)  # rounded as torch's (dropped @ A^T) is
-        tl.store(down_ptr + rows[:, None] * rank + ranks[None, :], down, mask=inside)
+    seed = tl.load(seed_ptr)
+    acc = tl.zeros((BT, R), dtype=tl.float32)
+    for col0 in range(0, features, BK):
+        cols = col0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=rows[:, None] < tokens, other=0.0)
+        x = tl.where(keep_mask(seed, rows, col0, features, threshold, BT, BK), x, 0.0).to(x.dtype)
+        a = tl.load(a_ptr + ranks[None, :] * features + cols[:, None], mask=ranks[None, :] < rank, other=0.0)
+        acc += tl.dot(x, a.to(x.dtype))
+    down = (acc * inv_keep).to(down_ptr.dtype.element_ty)  # rounded as torch's (dropped @ A^T) is
+    tl.store(down_ptr + rows[:, None] * rank + ranks[None, :], down, mask=inside)
     if WRITE_OUT:
         for n0 in range(0, outputs, BN):
             ns = n0 + tl.arange(0, BN)
@@ -59,10 +55,27 @@ def down_kernel(x_ptr, a_ptr, b_ptr, down_ptr, out_ptr, seed_ptr, tokens, featur
 
 
 @triton.jit
+def out_kernel(down_ptr, b_ptr, out_ptr, tokens, rank, outputs, scaling, R: tl.constexpr, BT: tl.constexpr,
+               BN: tl.constexpr):
+    """out = scaling * down B^T over a grid of (BT rows, BN outputs) tiles: each element is the one rank-R dot that
+    down_kernel's WRITE_OUT computes for it, so the same bits, with the rows and outputs spread over many programs."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    ns = tl.program_id(1) * BN + tl.arange(0, BN)
+    ranks = tl.arange(0, R)
+    down = tl.load(down_ptr + rows[:, None] * rank + ranks[None, :],
+                   mask=(rows[:, None] < tokens) & (ranks[None, :] < rank), other=0.0)
+    b = tl.load(b_ptr + ns[None, :] * rank + ranks[:, None], mask=(ranks[:, None] < rank) & (ns[None, :] < outputs),
+                other=0.0)
+    out = tl.dot(down, b.to(down.dtype)) * scaling
+    tl.store(out_ptr + rows[:, None] * outputs + ns[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < tokens) & (ns[None, :] < outputs))
+
+
+@triton.jit
 def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, features, rank, threshold, inv_keep,
                     rows_per_split, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """One split of the rows and BK columns, the mask drawn once for both: x's gradient share (grad_down A) * mask /
-    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, not yet scaled)."""
+    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, scaled by 1 / (1 - p))."""
     col0 = tl.program_id(0) * BK
     cols = col0 + tl.arange(0, BK)
     split = tl.program_id(1)
@@ -82,7 +95,7 @@ def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, fe
         acc += tl.dot(tl.trans(gd.to(x.dtype)), tl.where(keep, x, 0.0).to(x.dtype))
         share = tl.where(keep, tl.dot(gd, a.to(gd.dtype)) * inv_keep, 0.0)
         tl.store(gx_ptr + rows[:, None] * features + cols[None, :], share.to(gx_ptr.dtype.element_ty), mask=inside)
-    tl.store(part_ptr + split * R * features + ranks[:, None] * features + cols[None, :], acc)
+    tl.store(part_ptr + split * R * features + ranks[:, None] * features + cols[None, :], acc * inv_keep)
 
 
 @triton.jit
