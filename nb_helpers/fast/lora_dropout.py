@@ -81,11 +81,22 @@ def _col_tile(features: int) -> int:
 def tiles(kernel: str, tokens: int, features: int) -> dict:
     """Each kernel's launch settings: its tiles (rows BT, input columns BK, outputs BN), warps and pipeline stages;
     for "forward", whether `out` is written by the down kernel itself (split=False) or by out_kernel after it; for
-    "backward", how many programs per SM its row splits aim at."""
-    rows, cols = _row_tile(tokens), _col_tile(features)
-    return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),
-            "out": dict(BT=64, BN=128, num_warps=4, num_stages=1),
-            "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2)}[kernel]
+    "backward", how many programs per SM its row splits aim at. `features` is the input's for "forward" and
+    "backward", the outputs' for "out". From bench/lora_kernel_sweep.py on an H200 (bench/NOTES.md, session 13): the
+    backward with four programs an SM took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the
+    forward writing 256 outputs a step 49.5 against 52.1 (q and o); each other kernel was within 5% of its best.
+    NB_LORA_TILES=before gives the settings of calls 42-66, for a benchmark's run beside these."""
+    if os.environ.get("NB_LORA_TILES") == "before":
+        rows, cols = _row_tile(tokens), _col_tile(features)
+        return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),
+                "out": dict(BT=64, BN=128, num_warps=4, num_stages=1),
+                "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2)}[kernel]
+    many = tokens >= 8192
+    return {"forward": dict(BT=32 if many else 16, BK=_col_tile(features), BN=256, num_warps=4, num_stages=3,
+                            split=False),
+            "out": dict(BT=64, BN=128 if features >= 1024 else 64, num_warps=4, num_stages=1),
+            "backward": dict(BT=16 if many else 32, BK=_col_tile(features) if many else 64, num_warps=4, num_stages=3,
+                             per_sm=4)}[kernel]
 
 
 def _launch(settings: dict) -> dict:
