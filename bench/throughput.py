@@ -77,6 +77,12 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # sixty-eighth device call: keep_dequantized on by default where the plan holds the kept weights
+        # (plan.planner.keep_fitted), and fast.lora_dropout's swept launch settings, each taken out
+        *[run(workload, "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
+              steps=steps + 1) for workload in ("w2048", "w512")],
+        *[run(workload, "lora-tiles-before", 8, 1, env={"NB_LORA_TILES": "before"}, auto_fit=True, profile=True,
+              steps=steps + 1) for workload in ("w2048", "w512")],
         # sixty-fifth device call: NF4 weights dequantized by one Triton kernel inside CUDA graphs (fast.nf4), taken
         # out (8 x 512 is the workload auto-fit graphs)
         run("w512", "no-nf4-in-graphs", 8, 1, fast="nf4_in_graphs=0", auto_fit=True, profile=True, steps=steps + 1),
@@ -109,7 +115,7 @@ def lever_runs(steps: int) -> list[dict]:
         run("w512", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
             steps=steps + 1),
         # forty-ninth and fiftieth device calls: the recompute's dequantized weights kept for the layer's backward
-        # (fast.recompute.keeps_weights; on in "ours" then, opt-in since: NB_FASTPATH=keep_dequantized=1)
+        # (fast.recompute.keeps_weights; on in "ours" then, opt-in until call 68, default since)
         run("w2048", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
             steps=steps + 1),
         run("w512", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,

@@ -1,6 +1,7 @@
 """The VRAM planner: components against hand-computed bytes, `plan` exit codes, auto-fit's choice logic."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 
@@ -553,9 +554,41 @@ def test_the_recompute_s_kept_weights_are_counted_in_the_layer_s_backward(monkey
              for keep in (True, False)]
     assert no_gc[0].peak_bytes == no_gc[1].peak_bytes
     shape = load_shape(tiny_cfg.model)
-    assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
-    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=1")  # opt-in
     assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0")
+    assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
+
+
+def test_the_weights_are_kept_only_where_the_plan_has_room_for_them():
+    """plan.planner.keep_fitted: a budget the plan fits without the kept weights but not with them (less the margin)
+    keeps none; a larger one keeps them. And auto-fit's candidates never give up a layer left unrecomputed for them
+    (at 8 x 2048 under 4 GiB the kept weights cost two such layers: bench/NOTES.md, session 13)."""
+    from nb_helpers.plan.catalog import known_shape
+    from nb_helpers.plan.choose import candidates
+    from nb_helpers.plan.planner import FIT_MARGIN, keep_fitted
+
+    shape = known_shape("tinyllama-1.1b")
+    base = PlanInput(seq=2048, batch=8, offload=True, dropout_kernels=True, keep_wanted=True, context_gib=0.5)
+    on = plan(shape, PlanInput(**{**asdict(base), "keep_dequantized": True})).peak_gib
+    off = plan(shape, base).peak_gib
+    assert on > off
+    tight = (on + off) / 2 / (1 - FIT_MARGIN)
+    assert not keep_fitted(shape, base, tight).keep_dequantized
+    assert keep_fitted(shape, base, on / (1 - FIT_MARGIN) + 0.01).keep_dequantized
+    assert not keep_fitted(shape, PlanInput(**{**asdict(base), "gradient_checkpointing": False}), 80).keep_dequantized
+
+    def most_kept(wanted: bool, budget: float) -> tuple[int, list[bool]]:
+        found = candidates(shape, PlanInput(**{**asdict(base), "keep_wanted": wanted}), 8, budget,
+                           fewer_recomputes=True)
+        return (max(c.no_recompute_layers for c in found if c.gradient_checkpointing),
+                [c.keep_dequantized for c in found if c.gradient_checkpointing])
+    dropped_somewhere = False
+    for budget in (3.6, 3.7, 3.8, 3.9, 4.0, 4.1):
+        (with_keep, kept), (without, _) = most_kept(True, budget), most_kept(False, budget)
+        assert with_keep == without > 0, budget
+        assert any(kept), budget
+        dropped_somewhere |= not all(kept)
+    assert dropped_somewhere
 
 
 def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_the_budget(tiny_cfg, monkeypatch):
@@ -568,7 +601,6 @@ def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_t
     tiny, big = known_shape("tinyllama-1.1b"), known_shape("qwen3-4b")
     assert keeps_dequantized_weights(tiny, 4.0) and not keeps_dequantized_weights(big, 4.0)
     assert keeps_dequantized_weights(big, None) and keeps_dequantized_weights(big, 8.0)
-    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=1")  # opt-in
     cfg = tiny_cfg.replace(budget_gib=4.0)
     assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
     assert not plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized

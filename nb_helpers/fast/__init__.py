@@ -28,8 +28,8 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device", "lever_table",
-           "trainer_token_count"]
+           "set_keep_dequantized", "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device",
+           "lever_table", "trainer_token_count"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -224,6 +224,7 @@ LAZY = {
     "graphs_on": ("checkpoints", "graphs_on"),
     "pad_multiple": ("checkpoints", "pad_multiple"),  # the collator's length step, or None
     "set_checkpoint_offload": ("checkpoints", "set_checkpoint_offload"),
+    "set_keep_dequantized": ("checkpoints", "set_keep_dequantized"),  # the plan's keep_dequantized, on the model
     "padded_length": ("graphed_layers", "padded_length"),
     "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)

@@ -51,6 +51,16 @@ def tail_lever_on(model=None) -> bool:
     return options_of(model).skips_dead_tail()
 
 
+def set_keep_dequantized(model, planned: bool) -> None:
+    """Whether this run's recomputes keep their dequantized weights (lever keep_dequantized): where the plan holds them
+    (plan.planner.keep_fitted, for auto-fit's candidate or the settings set by hand), on the layers already marked too."""
+    model._nb_levers = {**getattr(model, "_nb_levers", {}), "keep_dequantized": bool(planned)}
+    keep = options_of(model).keep_dequantized and bool(planned)
+    for layer in compat.checkpointed_layers(model):
+        if getattr(layer, "_nb_tail_lever", False):
+            layer._nb_keep_weights = keep
+
+
 def set_checkpoint_offload(model, offload: bool) -> None:
     """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
     (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with

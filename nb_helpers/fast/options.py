@@ -54,10 +54,10 @@ class FastOptions:
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
     nf4_in_graphs: bool = True  # inside CUDA graphs, NF4 weights dequantized by one Triton kernel with bitsandbytes'
     #                             bits (fast.nf4): replays launch it for free; CUDA, fused_lora, direct_dequant, graphs
-    # opt-in (NB_FASTPATH=keep_dequantized=1): a checkpointed layer's recompute keeps the weights it dequantizes for
-    # its own backward, which follows at once (fast.recompute.keeps_weights); with dead_tail. Less GPU time, but slower
-    # steps on the H200 in every pair measured (bench/NOTES.md, calls 49-50 and 57), so not on by default
-    keep_dequantized: bool = False
+    keep_dequantized: bool = True  # a checkpointed layer's recompute keeps the weights it dequantizes for its own
+    #                                backward, which follows at once (fast.recompute.keeps_weights), where the plan
+    #                                holds them without losing a fit or an unrecomputed layer (plan.planner.keep_fitted);
+    #                                CUDA, dead_tail
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -67,8 +67,8 @@ class FastOptions:
 
         gpu = torch.cuda.is_available()
         on = gpu and fast_path
-        values = {f.name: on for f in fields(cls) if f.name not in ("lean", "offload", "keep_dequantized")}
-        values.update(lean=gpu, offload=False, keep_dequantized=False)
+        values = {f.name: on for f in fields(cls) if f.name not in ("lean", "offload")}
+        values.update(lean=gpu, offload=False)
         if fast_path:  # NB_FASTPATH applies on a CPU too: the tests exercise the levers' CPU halves through it
             values.update(env_levers())
         values.update(overrides)
@@ -108,7 +108,7 @@ def options_of(model) -> FastOptions:
 def gpu_options(fast_path: bool = True) -> FastOptions:
     """The levers a GPU run uses: the planner plans for a GPU even on a machine without one."""
     defaults = {f.name: fast_path for f in fields(FastOptions)}
-    defaults.update(lean=True, offload=False, keep_dequantized=False)
+    defaults.update(lean=True, offload=False)
     if fast_path:
         defaults.update(env_levers())
     return FastOptions(**defaults)

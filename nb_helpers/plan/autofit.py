@@ -77,6 +77,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     vocab_top = min(tokenizer.vocab_size, shape.vocab)
 
     def trial(option) -> float | None:
+        fast.set_keep_dequantized(model, option.keep_dequantized)
         try:
             trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload,
                        option.graphs, option.no_recompute_layers)

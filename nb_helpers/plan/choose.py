@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from nb_helpers.plan.architecture import Shape, recomputed_layers
-from nb_helpers.plan.planner import Plan, PlanInput, plan, plan_for_config
+from nb_helpers.plan.planner import FIT_MARGIN, Plan, PlanInput, keep_fitted, plan, plan_for_config
 
 # Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x GC_COMPUTE_FACTOR with
 # checkpointing). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps an H200 about 5%
@@ -25,7 +25,6 @@ OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than ke
 KEPT_FACTOR = 1.02  # layers kept unrecomputed hold their activations up to the budget's edge: a candidate that keeps
 # any must be 2% faster to be chosen (the GTX 1650 at 8 x 512: 20 layers kept at 4 x 2 were predicted 0.5% faster
 # than 2 x 4 without checkpointing, for 0.86 GiB more)
-FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
 
 
 @dataclass
@@ -40,6 +39,7 @@ class Candidate:
     predicted_step_s: float | None = None  # on the GPU ranked for (nb_helpers.plan.step_time), where one was
     gpu_name: str | None = None
     no_recompute_layers: int = 0  # with GC: the last layers that keep their activations (RunConfig)
+    keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept (plan.planner.keep_fitted)
 
     def describe(self) -> str:
         gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
@@ -83,12 +83,14 @@ def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: 
         for gc, offload, graphs in modes:
             inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
                                "gradient_checkpointing": gc, "offload": offload, "graphs": graphs,
-                               "no_recompute_layers": 0})
+                               "no_recompute_layers": 0, "keep_dequantized": False})
             if plan(shape, inp).peak_gib > limit:
                 continue
             most = most_layers_kept(shape, inp, limit) if gc and fewer_recomputes else 0
-            for kept in sorted({most, most // 2, 0}, reverse=True):
-                out.append(_candidate(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept}), gpu))
+            for kept in sorted({most, most // 2, 0}, reverse=True):  # the kept weights where room is left
+                chosen = keep_fitted(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept}), budget_gib,
+                                     margin)
+                out.append(_candidate(shape, chosen, gpu))
     if gpu is not None:
         return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
     return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
@@ -111,11 +113,12 @@ def _candidate(shape: Shape, inp: PlanInput, gpu: dict | None) -> Candidate:
     if gpu is not None:
         seconds = predict_step_time(shape, inp, gpu).step_s  # offload: pinned CPU RAM, so only if faster
         return Candidate(inp.batch, inp.accum, gc, predicted, seconds * margins, inp.offload, inp.graphs, seconds,
-                         gpu["name"], kept)
+                         gpu["name"], kept, inp.keep_dequantized)
     recomputed = recomputed_layers(shape, inp) / shape.layers
     factor = (1 + (GC_COMPUTE_FACTOR - 1) * recomputed) * margins
     cost = inp.accum * (OVERHEAD_TOKENS + inp.batch * inp.seq * factor)
-    return Candidate(inp.batch, inp.accum, gc, predicted, cost, inp.offload, inp.graphs, no_recompute_layers=kept)
+    return Candidate(inp.batch, inp.accum, gc, predicted, cost, inp.offload, inp.graphs, no_recompute_layers=kept,
+                     keep_dequantized=inp.keep_dequantized)
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,

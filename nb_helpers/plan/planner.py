@@ -75,6 +75,9 @@ EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments 
 CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
 
 
+FIT_MARGIN = 0.05  # keep the prediction 5% under the budget: the planner's measured error is within +-8%
+
+
 @dataclass
 class PlanInput:
     seq: int = 512  # tokens per sequence (max_length)
@@ -105,6 +108,7 @@ class PlanInput:
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
     absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
     keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
+    keep_wanted: bool = False  # the lever on and the weights small (plan_for_config); kept where they fit (keep_fitted)
     down_once: bool = False  # with GC and dropout_kernels: the recompute reuses its forward's LoRA products (stashed)
     no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
     one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
@@ -324,14 +328,26 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                                                                                                 gpu_extras),
                     absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
                     and keeps_decoded_absmax(shape.linear_params, budget),
-                    keep_dequantized=fast.keep_dequantized and fast.skips_dead_tail()
+                    keep_wanted=fast.keep_dequantized and fast.skips_dead_tail()
                     and keeps_dequantized_weights(shape, budget),
                     down_once=fast.down_once and fast.skips_dead_tail(),
                     no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0,
                     one_token_count=fast.one_token_count,
                     frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels,
                     nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant)
-    return plan(shape, inp, budget_gib=budget)
+    return plan(shape, keep_fitted(shape, inp, budget), budget_gib=budget)
+
+
+def keep_fitted(shape: Shape, inp: PlanInput, budget_gib: float | None, margin: float = FIT_MARGIN) -> PlanInput:
+    """`inp` keeping the recompute's dequantized weights (keep_wanted) only where the plan with them stays `margin`
+    under the budget: one layer's weights (62 MiB on TinyLlama) never cost a run its fit, nor auto-fit a layer it can
+    leave unrecomputed, which saves far more (bench/NOTES.md, session 13: at 8 x 2048 keeping them cost two such
+    layers and 4% of the step)."""
+    keep = inp.keep_wanted and inp.gradient_checkpointing
+    with_keep = PlanInput(**{**asdict(inp), "keep_dequantized": keep})
+    if keep and budget_gib and plan(shape, with_keep).peak_gib > budget_gib * (1 - margin):
+        return PlanInput(**{**asdict(inp), "keep_dequantized": False})
+    return with_keep
 
 
 _CONTEXT_CACHE: dict[int, float] = {}
