@@ -60,8 +60,8 @@ def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep:
         kept.append((torch.nn.functional.linear(x, dequantized), dequantized if keep else None))
         del dequantized
     (gate_out, gate_w), (up_out, up_w) = kept
-    if dead:
-        out = gate_out.new_zeros(*x.shape[:-1], down.quant_state.shape[0])
+    if dead:  # read by nothing (the layer's last add is thrown away too): no values written
+        out = gate_out.new_empty(*x.shape[:-1], down.quant_state.shape[0])
     elif residual is not None:
         act = _swiglu(gate_out, up_out, liger)
         out = torch.addmm(residual.reshape(-1, residual.shape[-1]), act.reshape(-1, act.shape[-1]),

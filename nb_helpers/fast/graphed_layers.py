@@ -361,7 +361,6 @@ def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
         buffer.copy_(tensor)
     for buffer, grad in zip(buffers.grad_outputs, grad_outputs):
         buffer.copy_(grad)
-    entry.param_grads = [torch.empty_like(p) for p in ctx.params]
 
     def run():
         input_grads, param_grads = _differentiate(plan, buffers.inputs, ctx.needs, buffers.grad_outputs,
@@ -369,8 +368,7 @@ def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
         for buffer, grad in zip(buffers.grad_inputs, input_grads):
             if buffer is not None:
                 buffer.copy_(grad)
-        for buffer, grad in zip(entry.param_grads, param_grads):
-            buffer.zero_() if grad is None else buffer.copy_(grad)
+        entry.param_grads = param_grads  # once captured, the graph's own outputs: each replay rewrites them, no copy
 
     saved = ctx.generator.get_state()
     try:
@@ -380,6 +378,7 @@ def _capture_backward(plan, entry, tensors, grad_outputs, ctx) -> None:
         graph = torch.cuda.CUDAGraph()
         _on_side_stream(run, device, graph)
         entry.backward = graph
+        entry.param_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(ctx.params, entry.param_grads)]
     except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
         _fail(entry, plan, error)
     finally:
@@ -394,6 +393,6 @@ def _replay_backward(entry, tensors, grad_outputs):
         buffer.copy_(grad)
     entry.backward.replay()
     # input gradients live in buffers every layer of this shape shares: copied out before the next layer replays;
-    # the params' gradients are this layer's own buffers, which autograd adds into .grad right away
+    # the params' gradients are this layer's own graph outputs, which autograd adds into .grad right away
     return [None if b is None else b.clone() for b in buffers.grad_inputs] + list(entry.param_grads)
 
