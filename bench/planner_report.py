@@ -120,7 +120,14 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call65.json": ("NF4 dequantized inside CUDA graphs, with and without (call 65, held out)",
                                              True, None),
               **{f"raw/throughput-call66-{pair}.json": (f"NF4 inside graphs, order swapped (call 66, {pair}, held out)",
-                                                       True, None) for pair in ("1-no-nf4", "1-ours", "2-no-nf4", "2-ours")}}
+                                                       True, None) for pair in ("1-no-nf4", "1-ours", "2-no-nf4", "2-ours")},
+              # keep_dequantized where the plan holds the kept weights, LoRA's swept launch settings (calls 68-70)
+              "raw/throughput-call68.json": ("kept weights against none, 8 x 2048 and 8 x 512 (call 68, held out)", True,
+                                             None),
+              "raw/throughput-call69.json": ("kept weights where they fit, launch settings, each taken out (call 69, "
+                                             "held out)", True, None),
+              **{f"raw/throughput-call70{again}.json": (f"the default path (call 70{again}, held out)", True, None)
+                 for again in ("", "-again")}}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),

@@ -144,7 +144,10 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 # NF4 dequantized by one Triton kernel inside CUDA graphs (fast.nf4, calls 65-66), with and without
                 "throughput-call65.json": None, "throughput-call66-1-no-nf4.json": None,
                 "throughput-call66-1-ours.json": None, "throughput-call66-2-no-nf4.json": None,
-                "throughput-call66-2-ours.json": None}
+                "throughput-call66-2-ours.json": None,
+                # keep_dequantized where the plan holds it, LoRA's swept launch settings (calls 68-70), with and without
+                "throughput-call68.json": None, "throughput-call69.json": None, "throughput-call70.json": None,
+                "throughput-call70-again.json": None}
 
 
 def throughput_rows() -> list[dict]:
