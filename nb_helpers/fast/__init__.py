@@ -203,6 +203,8 @@ def lever_table(cfg) -> str:
         runs = "yes" if on else f"no ({where or 'off'})"
         if name in ("graphs", "offload") and on:
             runs = "where auto-fit or your settings choose it"
+        elif name == "keep_dequantized" and on:
+            runs = "where the plan has room for the weights"
         rows.append(f"| `{name}` | {runs} | {what} | {measured} |")
     return "\n".join(rows) + ("\n\nTurn one off with `NB_FASTPATH=\"lever=0\"` before the kernel starts, or all of "
                               "them with `fast_path=False`.")

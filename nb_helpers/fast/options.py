@@ -180,7 +180,8 @@ LEVERS = {
                       "12.76 us/token at 8 x 512 (dequantize 2.79 against 3.75 ms a step); steps 0.065 and 0.064 "
                       "against 0.066 and 0.068 s in two order-swapped pairs, 0.068 against 0.066 in a third (calls "
                       "65-66)"),
-    "keep_dequantized": ("opt-in: the recompute's dequantized weights kept for the layer's backward, not dequantized "
-                         "again", "GPU busy 13.1 against 13.5 us/token at 8 x 2048 without copies (13.4 against 13.7 at "
-                         "8 x 512), for 0.04-0.08 GiB; but steps 2-8% slower on the H200's host, so off by default"),
+    "keep_dequantized": ("the recompute's dequantized weights kept for the layer's backward, not dequantized "
+                         "again, where the plan holds them without losing a fit or an unrecomputed layer",
+                         "GPU compute 12.00 against 12.21 us/token at 8 x 512, for 0.08 GiB (call 69); at 8 x 2048 "
+                         "under 4 GiB the plan has no room once two layers stay unrecomputed, so none are kept"),
 }
