@@ -193,7 +193,7 @@ def load_for_training(run: TrainingRun, verbose: bool = True):
     if fitting:
         fit_to_budget(run, verbose)
     if run.prediction is not None:
-        cuda and fast.set_keep_dequantized(run.model, run.prediction.inputs.keep_dequantized)  # as planned
+        fast.set_keep_dequantized(run.model, run.prediction.inputs.keep_dequantized)  # what the plan holds
         run.summary.update(predicted_peak_gib=run.prediction.peak_gib, predicted_phase=run.prediction.peak_phase,
                            predicted_components_gib={k: v / 2**30 for k, v in run.prediction.components.items()},
                            **predicted_time(run.prediction, run.cfg, verbose))

@@ -76,6 +76,24 @@ def test_the_backward_reuses_the_recompute_s_dequantized_weights_with_the_same_g
         assert torch.equal(a, b)
 
 
+def test_the_run_keeps_the_weights_as_its_plan_says(tiny_cfg, monkeypatch):
+    """fast.set_keep_dequantized: the plan's choice (plan.planner.keep_fitted, per auto-fit candidate and for the run)
+    reaches the layers already marked and the run's recorded levers: kept, each weight is dequantized twice a step;
+    not kept, three times (the dead down projection twice either way)."""
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(4))
+    model = fused_model(tiny_cfg, fused_block=False)
+    use_checkpoints(model, dead_tail=True, keep_dequantized=True)
+    train_step(model, ids)  # the first recompute probes the dead product
+    counts = _dequantized(monkeypatch, model)
+    checkpoints.set_keep_dequantized(model, False)
+    train_step(model, ids)
+    assert model._nb_levers["keep_dequantized"] is False and max(counts.values()) == 3, counts
+    counts.clear()
+    checkpoints.set_keep_dequantized(model, True)
+    train_step(model, ids)
+    assert model._nb_levers["keep_dequantized"] is True and set(counts.values()) == {2}, counts
+
+
 def test_nothing_is_kept_outside_a_recompute(tiny_cfg, monkeypatch):
     """Without checkpointing the forward runs with gradients and no recompute: keeping weights there would hold every
     layer's, so each is dequantized again in the backward (three per weight: none kept)."""
