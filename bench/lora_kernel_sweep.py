@@ -99,11 +99,10 @@ def sweep_kind(kind: str, configs: list[dict], shapes: list[tuple[int, int]]) ->
     for tokens, outputs in shapes:
         t = tensors(tokens, outputs)
         t["down"] = ld.dropped_down(t["x"], t["a"], t["b"], t["seed"], P, SCALING, write_out=False)[0]
-        base_kind = {"fused": "forward", "down": "forward"}.get(kind, kind)
-        reference = calls(kind, t, ld.tiles(base_kind, tokens, FEATURES) if kind != "out"
-                          else ld.tiles("out", tokens, outputs))()
-        shipped_us = gpu_us(calls(kind, t, ld.tiles(base_kind, tokens, FEATURES) if kind != "out"
-                                  else ld.tiles("out", tokens, outputs)))
+        shipped = ld.tiles("out", tokens, outputs) if kind == "out" else \
+            ld.tiles("backward" if kind == "backward" else "forward", tokens, FEATURES)
+        reference = calls(kind, t, shipped)()
+        shipped_us = gpu_us(calls(kind, t, shipped))
         for settings in configs:
             began = time.perf_counter()
             try:
