@@ -191,8 +191,9 @@ class LoRA4bitLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         dropped, down, mask, a, b, seed, kept = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
-        grad_down = (grad @ b).mul_(ctx.scaling)  # (tokens, r)
-        grad_b = (grad.t() @ down).mul_(ctx.scaling)  # (out, r)
+        # s applied in each GEMM's epilogue (beta=0: the uninitialised first argument is not read), not a pass of its own
+        grad_down = torch.addmm(grad.new_empty(grad.shape[0], b.shape[1]), grad, b, beta=0, alpha=ctx.scaling)
+        grad_b = torch.addmm(grad.new_empty(grad.shape[1], down.shape[1]), grad.t(), down, beta=0, alpha=ctx.scaling)
         if seed is not None:  # `dropped` is the input itself: the kernels redraw the forward's mask from the seed
             grad_a, grad_x = lora_dropout.grads(grad_down, dropped, a, seed, ctx.dropout_p)
         else:
