@@ -77,6 +77,10 @@ def lever_runs(steps: int) -> list[dict]:
                 **extra}
 
     return [
+        # seventy-first device call: q, k and v of each attention as one function, their LoRA backward one kernel
+        # (fast.qkv), taken out
+        *[run(workload, "no-qkv-once", 8, 1, fast="qkv_once=0", auto_fit=True, profile=True, steps=steps + 1)
+          for workload in ("w2048", "w512")],
         # sixty-eighth device call: keep_dequantized on by default where the plan holds the kept weights
         # (plan.planner.keep_fitted), and fast.lora_dropout's swept launch settings, each taken out
         *[run(workload, "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,

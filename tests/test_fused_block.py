@@ -22,6 +22,7 @@ def _stock_forwards(model):
     for layer in decoder_of(model).layers:
         layer.__dict__.pop("forward", None)
         layer.mlp.__dict__.pop("forward", None)
+        layer.self_attn.__dict__.pop("forward", None)
 
 
 def _same(runs_a, runs_b, rtol=1e-5, atol=1e-7):
@@ -56,8 +57,29 @@ def test_the_fused_block_trains_as_the_stock_layer(tiny_cfg, checkpointing):
     stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0}  # no liger on the CPU
+    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0, "qkv": 0}  # no liger here
     _same(stock, [train_step(model, ids) for _ in range(2)])
+
+
+def test_the_attention_with_q_k_and_v_as_one_call_trains_as_the_stock_one(tiny_cfg, monkeypatch):
+    """Lever qkv_once installs a copy of Llama's attention forward; where the dropout kernels cannot run (this CPU, fp32)
+    its q, k and v run one call each, through the copy: the stock attention's loss and gradients."""
+    from nb_helpers.fast import qkv
+
+    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(4))
+    model = _model(tiny_cfg)
+    use_checkpoints(model, dead_tail=True)
+    stock = [train_step(model, ids) for _ in range(2)]
+    layers = decoder_of(model).layers
+    assert fused_block.install(model, liger=False, qkv_once=True)["qkv"] == 0  # no dropout kernels on these layers
+    for layer in layers:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projection._nb_dropout_kernels = True
+    assert fused_block.install(model, liger=False, qkv_once=True)["qkv"] == len(layers)
+    shared = []
+    monkeypatch.setattr(qkv.LoRA4bitQKV, "apply", lambda *a: shared.append(1))
+    _same(stock, [train_step(model, ids) for _ in range(2)])
+    assert shared == []  # fp32 on a CPU: the kernels do not take it
 
 
 def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
@@ -118,8 +140,8 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     import nb_helpers.fast as fast
 
     calls, kept = [], []
-    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen: calls.append((liger, frozen))
-                        or {"layers": 2, "frozen_norms": 2 * frozen})
+    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, qkv_once: calls.append(
+        (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "qkv": 2 * qkv_once})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
@@ -132,6 +154,7 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
                                        nf4_in_graphs=False), cfg)
     assert calls == [(True, False)] and model._nb_levers["fused_block"] is True
     assert model._nb_levers["frozen_norms"] is False
+    assert model._nb_levers["qkv_once"] is model._nb_levers["dropout_kernels"]  # only with the dropout kernels
     assert kept == [(model, 4.0)] and model._nb_levers["absmax_once"] is True
 
 
@@ -140,7 +163,7 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
                                                    (False, False, True), (False, True, True), (True, False, True)])
 def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, graphs, offload, frozen):
     """With liger's kernels: the fused add + RMSNorm and SwiGLU, the dead recompute, CUDA graphs and offload; `frozen`:
-    the norms' backward of lever frozen_norms (fast.frozen_norms)."""
+    the norms' backward of lever frozen_norms (fast.frozen_norms), and q, k and v as one function (fast.qkv)."""
     from nb_helpers.fast import graphed_layers
 
     graphed_layers.reset()
@@ -149,9 +172,10 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     stock = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
-    counts = fused_block.install(model, liger=True, frozen=frozen)
+    counts = fused_block.install(model, liger=True, frozen=frozen, qkv_once=frozen)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": layers, "frozen_norms": layers * frozen}
+    assert counts == {"layers": layers, "mlps": layers, "norms": layers, "frozen_norms": layers * frozen,
+                      "qkv": layers * frozen}
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     ours = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(torch.isfinite(loss) for loss, _ in ours)

@@ -146,6 +146,12 @@ CHECKS: tuple[Check, ...] = (
            _in_source(ADD_RMS, "_fused_add_rms_norm_backward_kernel", ADD_RMS_BACKWARD)),
     _check(f"{LLAMA}.LlamaDecoderLayer.forward (fast.fused_block runs a copy)", "fused_block", says=(
         "hidden_states = residual + hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)")),
+    _check(f"{LLAMA}.LlamaAttention.forward, config._attn_implementation (fast.fused_block runs a copy)", "qkv_once",
+           _at(LLAMA, attrs=("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward", "apply_rotary_pos_emb")), says=(
+               "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+               "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",
+               "self.config._attn_implementation, eager_attention_forward", "attn_output = self.o_proj(attn_output)"),
+           params=("hidden_states", "position_embeddings", "attention_mask", "past_key_values")),
     _check("liger_kernel.transformers.apply_liger_kernel_to_llama(rope, rms_norm, swiglu, ..., model)", "kernels",
            _in_source("liger_kernel.transformers.monkey_patch", "apply_liger_kernel_to_llama", params=(
                "rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy", "model")),

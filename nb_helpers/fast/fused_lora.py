@@ -191,9 +191,7 @@ class LoRA4bitLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         dropped, down, mask, a, b, seed, kept = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
-        # s applied in each GEMM's epilogue (beta=0: the uninitialised first argument is not read), not a pass of its own
-        grad_down = torch.addmm(grad.new_empty(grad.shape[0], b.shape[1]), grad, b, beta=0, alpha=ctx.scaling)
-        grad_b = torch.addmm(grad.new_empty(grad.shape[1], down.shape[1]), grad.t(), down, beta=0, alpha=ctx.scaling)
+        grad_down, grad_b = rank_grads(grad, b, down, ctx.scaling)
         if seed is not None:  # `dropped` is the input itself: the kernels redraw the forward's mask from the seed
             grad_a, grad_x = lora_dropout.grads(grad_down, dropped, a, seed, ctx.dropout_p)
         else:
@@ -204,6 +202,13 @@ class LoRA4bitLinear(torch.autograd.Function):
         grad_x.addmm_(grad, _weight_for_backward(kept, ctx.weight, ctx.direct, grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
                 grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None, None)
+
+
+def rank_grads(grad, b, down, scaling: float):
+    """(grad_down, grad_B) = (s grad B, s grad^T down): tokens x r and outputs x r. s is applied in each GEMM's epilogue
+    (beta=0: the uninitialised first argument is not read), not in a pass of its own."""
+    grad_down = torch.addmm(grad.new_empty(grad.shape[0], b.shape[1]), grad, b, beta=0, alpha=scaling)
+    return grad_down, torch.addmm(grad.new_empty(grad.shape[1], down.shape[1]), grad.t(), down, beta=0, alpha=scaling)
 
 
 def _weight_for_backward(kept, weight, direct: bool, dtype):
@@ -234,16 +239,28 @@ class Frozen4bitLinear(torch.autograd.Function):
         return grad_out @ weight, None, None, None, None
 
 
+def plain_adapter(layer) -> str | None:
+    """The one active adapter of a patched LoRA layer in the state the fused function covers, else None (adapters
+    disabled or merged, several adapters, DoRA or another variant: the layer's own forward runs)."""
+    adapters = [name for name in layer.active_adapters if name in layer.lora_A]
+    if layer.disable_adapters or layer.merged or len(adapters) != 1 or adapters[0] in layer.lora_variant:
+        return None
+    return adapters[0]
+
+
+def lora_args(layer, x, name: str) -> tuple:
+    """LoRA4bitLinear's arguments for `layer` (a patched LoRA layer) and adapter `name`, up to `direct`."""
+    base = layer.get_base_layer()
+    p = float(getattr(layer.lora_dropout[name], "p", 0.0)) if layer.training else 0.0
+    return (x, base.weight, base.bias, layer.lora_A[name].weight, layer.lora_B[name].weight,
+            float(layer.scaling[name]), p, layer._nb_direct)
+
+
 def _lora_forward(self, x, *args, **kwargs):
-    adapters = [name for name in self.active_adapters if name in self.lora_A]
-    base = self.get_base_layer()
-    if args or kwargs or self.disable_adapters or self.merged or len(adapters) != 1 or adapters[0] in self.lora_variant:
+    name = plain_adapter(self)
+    if args or kwargs or name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    name = adapters[0]
-    dropout = self.lora_dropout[name]
-    p = float(getattr(dropout, "p", 0.0)) if self.training else 0.0
-    args = (x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]),
-            p, self._nb_direct)
+    args = lora_args(self, x, name)
     if not torch.is_grad_enabled():
         out, saved = _lora_linear(*args, False, self._nb_dropout_kernels)
         stash = recompute.stash_of_forward()

@@ -147,17 +147,31 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     """(grad_A, grad_x) through the same mask as dropped_down's, drawn once for both: grad_down^T dropout(flat) (rank
     x features, fp32) and (grad_down A) * mask / (1 - p) (tokens x features, LoRA's share of the input's gradient,
     into which the base GEMM then adds)."""
+    grad_as, grad_x = shared_grads([grad_down], flat, [a], [seed], p, settings)
+    return grad_as[0], grad_x
+
+
+def shared_grads(grad_downs, flat, lora_as, seeds, p: float, settings: dict | None = None):
+    """grads() for one or three LoRA layers that read the same input `flat` (q, k and v), each through its own mask
+    (seed) and the same dropout p and rank: ([grad_A of each], the sum of their shares of the input's gradient). The
+    kernel reads the input once and writes one gradient, where three calls of grads() read it three times and write
+    three shares for autograd to add."""
     tokens, features = flat.shape
-    rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
+    count, rank = len(grad_downs), grad_downs[0].shape[1]
+    padded = _rank_tile(rank)
     settings = settings or tiles("backward", tokens, features)
     rows, cols = settings["BT"], settings["BK"]
     splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"])
-    parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
-    grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
+    parts = torch.empty(count, splits, padded, features, dtype=torch.float32, device=flat.device)
+    grad_x = torch.empty(tokens, features, dtype=grad_downs[0].dtype, device=flat.device)
+    layers = [(g.contiguous(), a.contiguous(), seed) for g, a, seed in zip(grad_downs, lora_as, seeds)]
+    others = [t for layer in (layers[1:] if count == 3 else layers * 2) for t in layer]  # the first's: not read
     kernels().backward_kernel[(features // cols, splits)](
-        grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
-        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, **_launch(settings))
-    return (parts[0] if splits == 1 else parts.sum(0))[:rank], grad_x
+        layers[0][0], flat, layers[0][1], grad_x, parts, seeds[0], tokens, features, rank, threshold(p),
+        keep_scale(p), rows_per_split, *others, splits * padded * features, R=padded, BT=rows, BK=cols, PROJ=count,
+        **_launch(settings))
+    summed = parts[:, 0] if splits == 1 else parts.sum(1)
+    return [summed[i, :rank] for i in range(count)], grad_x
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

@@ -58,6 +58,9 @@ class FastOptions:
     #                                backward, which follows at once (fast.recompute.keeps_weights), where the plan
     #                                holds them without losing a fit or an unrecomputed layer (plan.planner.keep_fitted);
     #                                CUDA, dead_tail
+    qkv_once: bool = True  # q, k and v of a Llama attention as one function: one kernel reads their shared input
+    #                        once and writes its gradient once, where three did and autograd added them (fast.qkv);
+    #                        CUDA, fused_block, dropout_kernels
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
