@@ -127,7 +127,10 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
               "raw/throughput-call69.json": ("kept weights where they fit, launch settings, each taken out (call 69, "
                                              "held out)", True, None),
               **{f"raw/throughput-call70{again}.json": (f"the default path (call 70{again}, held out)", True, None)
-                 for again in ("", "-again")}}
+                 for again in ("", "-again")},
+              # q, k and v as one function (fast.qkv, call 71)
+              "raw/throughput-call71.json": ("q, k and v as one function, with and without (call 71, held out)", True,
+                                             None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),

@@ -58,7 +58,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             down_once=bool((row.get("fast_levers") or {}).get("down_once")),
                             one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")),  # call 60
                             frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")),  # call 63
-                            nf4_in_graphs=bool((row.get("fast_levers") or {}).get("nf4_in_graphs")))  # call 65
+                            nf4_in_graphs=bool((row.get("fast_levers") or {}).get("nf4_in_graphs")),  # call 65
+                            qkv_once=bool((row.get("fast_levers") or {}).get("qkv_once")))  # call 71
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -147,7 +148,9 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 "throughput-call66-2-ours.json": None,
                 # keep_dequantized where the plan holds it, LoRA's swept launch settings (calls 68-70), with and without
                 "throughput-call68.json": None, "throughput-call69.json": None, "throughput-call70.json": None,
-                "throughput-call70-again.json": None}
+                "throughput-call70-again.json": None,
+                # q, k and v as one function (fast.qkv, call 71), with and without
+                "throughput-call71.json": None}
 
 
 def throughput_rows() -> list[dict]:

@@ -114,6 +114,7 @@ class PlanInput:
     one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
     nf4_in_graphs: bool = False  # with graphs: NF4 dequantized by fast.nf4's kernel inside them: time only
+    qkv_once: bool = False  # q, k and v's LoRA backward one kernel, one input gradient (fast.qkv): time only
 
     @property
     def tokens(self) -> int:
@@ -334,7 +335,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0,
                     one_token_count=fast.one_token_count,
                     frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels,
-                    nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant)
+                    nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant,
+                    qkv_once=fast.qkv_once and fast.fused_block and fast.fused_lora and fast.dropout_kernels)
     return plan(shape, keep_fitted(shape, inp, budget), budget_gib=budget)
 
 

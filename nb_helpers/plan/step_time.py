@@ -75,6 +75,10 @@ FROZEN_NORMS_SAVED = 0.34
 # lever nf4_in_graphs: inside CUDA graphs a dequantized byte costs this share of bitsandbytes' (device call 65: the
 # 422 dequantizes of an 8 x 512 graphed step took 2.79 against 3.75 ms)
 NF4_IN_GRAPHS_BYTES = 0.745
+# lever qkv_once: the fused-norm elements q, k and v's one backward kernel saves per hidden element of a token and
+# layer (device call 71: the two input-gradient adds, two grad_A reductions; 0.86 ms of an 8 x 512 step, 0.43 such
+# elements, and 1.8 ms of an 8 x 2048 step, 0.22, where the three-layer kernel took longer than three one-layer ones)
+QKV_ONCE_SAVED = 0.3
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
 
@@ -122,6 +126,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     norm_elements = tokens * layers * (shape.norms_per_layer * shape.hidden + q_and_k) * (1 + gc)
     if fused and getattr(inp, "frozen_norms", False) and shape.family == "llama":  # fast.fused_block's layers
         norm_elements -= FROZEN_NORMS_SAVED * tokens * layers * 2 * shape.hidden
+    if fused and _qkv_once_runs(shape, inp, targets):
+        norm_elements -= QKV_ONCE_SAVED * tokens * layers * shape.hidden
     return {
         "matmul_flops": 2 * tokens * weights_per_pass + 4 * tokens * shape.hidden * shape.vocab,
         "gemm_launches": gemms + 2,
@@ -138,6 +144,13 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "loss_elements": tokens * shape.vocab,
         "layer_passes": layers * passes,
     }
+
+
+def _qkv_once_runs(shape: Shape, inp, targets) -> bool:
+    """fast.qkv's one function for q, k and v: Llama layers with all three adapted, LoRA's dropout in its kernels."""
+    return bool(getattr(inp, "qkv_once", False) and shape.family == "llama"
+                and {"q_proj", "k_proj", "v_proj"} <= set(targets)
+                and getattr(inp, "dropout_kernels", False) and inp.lora_dropout > 0)
 
 
 def gpu_seconds_by_kind(work: dict[str, float], gpu: dict) -> dict[str, float]:
