@@ -107,7 +107,7 @@ def sweep_kind(kind: str, configs: list[dict], shapes: list[tuple[int, int]]) ->
         t = tensors(tokens, outputs)
         t["down"] = ld.dropped_down(t["x"], t["a"], t["b"], t["seed"], P, SCALING, write_out=False)[0]
         shipped = ld.tiles("out", tokens, outputs) if kind == "out" else \
-            ld.tiles("backward" if kind in ("backward", "shared") else "forward", tokens, FEATURES)
+            ld.tiles(kind if kind in ("backward", "shared") else "forward", tokens, FEATURES)
         reference = calls(kind, t, shipped)()
         shipped_us = gpu_us(calls(kind, t, shipped))
         for settings in configs:

@@ -57,7 +57,8 @@ def test_the_fused_block_trains_as_the_stock_layer(tiny_cfg, checkpointing):
     stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0, "qkv": 0}  # no liger here
+    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0, "qkv": 0,
+                      "saved_attention": 0}  # no liger here
     _same(stock, [train_step(model, ids) for _ in range(2)])
 
 
@@ -140,8 +141,8 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     import nb_helpers.fast as fast
 
     calls, kept = [], []
-    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, qkv_once: calls.append(
-        (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "qkv": 2 * qkv_once})
+    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, qkv_once, saved: calls.append(
+        (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "qkv": 2 * qkv_once, "saved_attention": 2 * saved})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
@@ -175,7 +176,7 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     counts = fused_block.install(model, liger=True, frozen=frozen, qkv_once=frozen)
     layers = len(decoder_of(model).layers)
     assert counts == {"layers": layers, "mlps": layers, "norms": layers, "frozen_norms": layers * frozen,
-                      "qkv": layers * frozen}
+                      "qkv": layers * frozen, "saved_attention": 0}
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     ours = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(torch.isfinite(loss) for loss, _ in ours)
@@ -204,3 +205,23 @@ def test_the_run_keeps_dequantized_weights_only_under_the_budget_rule(tiny_cfg, 
     assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
     assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
     assert capsys.readouterr().out.count("keep_dequantized off") == 1
+
+
+def test_only_offloaded_eager_recomputes_keep_their_attention(tiny_cfg):
+    """Lever saved_attention: fast.checkpoints switches it on for the recomputed layers whose checkpoints go to CPU
+    RAM with the recompute's stash; the layers that keep their activations, checkpoints on the card, or no stash
+    (down_once off) leave it off. Off CUDA the attention is transformers' own even where it is on."""
+    from nb_helpers.fast import saved_attention
+
+    model = _model(tiny_cfg)
+    layers = decoder_of(model).layers
+    use_checkpoints(model, dead_tail=True, offload=True, no_recompute=1)
+    assert [layer.self_attn._nb_saved_attention for layer in layers] == [True] * (len(layers) - 1) + [False]
+    for settings in (dict(offload=False), dict(offload=True, down_once=False), dict(offload=True, dead_tail=False)):
+        use_checkpoints(model, **{"dead_tail": True, **settings})
+        assert not any(layer.self_attn._nb_saved_attention for layer in layers), settings
+    layers[0].self_attn._nb_saved_attention, calls = True, []
+    query = torch.randn(1, 2, 8, 4)
+    out = saved_attention.attend(layers[0].self_attn, query, query, query, None,
+                                 lambda *a, **k: calls.append(k) or ("stock", None), dropout=0.0, scaling=0.5)
+    assert out == ("stock", None) and calls == [{"dropout": 0.0, "scaling": 0.5}]

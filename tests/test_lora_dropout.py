@@ -72,6 +72,14 @@ def test_launch_settings_change_the_time_not_the_bits(dtype):
         other_a, other_x = lora_dropout.grads(gd, x, a, seed, p, settings=other)
         assert torch.equal(other_x, grad_x)
         torch.testing.assert_close(other_a, grad_a, rtol=1e-5, atol=1e-5)
+    three = ([gd, gd.flip(0), gd * 2], x, [a, a.flip(1), a], [seed, seed + 1, seed + 2], p)  # q, k and v (fast.qkv)
+    shared_as, shared_x = lora_dropout.shared_grads(*three)
+    for rows, cols, per_sm in ((32, 64, 4), (64, 128, 1)):
+        other_as, other_x = lora_dropout.shared_grads(*three, settings=dict(BT=rows, BK=cols, num_warps=4,
+                                                                            num_stages=3, per_sm=per_sm))
+        assert torch.equal(other_x, shared_x)
+        for ours, theirs in zip(other_as, shared_as, strict=True):  # fp32 sums of other splits
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     with pytest.raises(AssertionError):  # the check can fail: another seed draws another mask
         torch.testing.assert_close(lora_dropout.grads(gd, x, a, seed + 1, p)[1], grad_x)
 
@@ -155,7 +163,8 @@ def test_three_layers_on_one_input_get_their_own_grads_and_one_summed_share(dtyp
         pytest.skip("Triton's interpreter computes bf16 wrongly")
     layers = [_inputs(device, dtype, tokens, features, 8, seed=seed) for seed in (0, 1, 2)]
     x, lora_as, grad_downs, seeds = layers[0][0], [t[1] for t in layers], [t[3] for t in layers], _seeds(device, 7, 8, 9)
-    grad_as, grad_x = lora_dropout.shared_grads(grad_downs, x, lora_as, seeds, p)
+    same = lora_dropout.tiles("backward", tokens, features)  # the one-layer kernel's tiles: the same sums
+    grad_as, grad_x = lora_dropout.shared_grads(grad_downs, x, lora_as, seeds, p, settings=same)
     alone = [lora_dropout.grads(gd, x, a, seed, p) for gd, a, seed in zip(grad_downs, lora_as, seeds)]
     for got, (want, _) in zip(grad_as, alone, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

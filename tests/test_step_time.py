@@ -175,3 +175,29 @@ def test_kept_weights_leave_out_the_backward_s_dequantize_of_what_the_recompute_
     no_gc = [st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, gradient_checkpointing=False,
                                                      keep_dequantized=keep)) for keep in (False, True)]
     assert no_gc[0] == no_gc[1]
+
+
+def test_the_kept_attention_costs_a_pair_in_flight_each_way_and_saves_the_recompute_s_attention():
+    """Lever saved_attention (fast.saved_attention): offloaded eager checkpoints keep each layer's attention output
+    and log-sum-exp in CPU RAM too. The card holds one more pair while they are copied out and one fetched back early;
+    the recompute attends no more; the copies carry them. With graphs, checkpoints on the card, or no recompute stash,
+    nothing changes."""
+    from dataclasses import replace
+
+    from nb_helpers.plan.planner import plan
+
+    shape = known_shape("tinyllama-1.1b")
+    base = PlanInput(seq=2048, batch=8, accum=1, offload=True, down_once=True, dropout_kernels=True)
+    on, off = replace(base, saved_attention=True), replace(base, saved_attention=False)
+    pair = 8 * 2048 * shape.heads * (shape.head_dim * 2 + 4)
+    assert (plan(shape, on).peak_gib - plan(shape, off).peak_gib) * 2**30 == pytest.approx(2 * pair, rel=1e-6)
+    work_on, work_off = st.work_per_micro_step(shape, on), st.work_per_micro_step(shape, off)
+    passes = 1 + st.BACKWARD_OVER_FORWARD
+    assert work_on["attention_flops"] / work_off["attention_flops"] == pytest.approx(passes / (passes + 1))
+    assert {k: v for k, v in work_on.items() if k != "attention_flops"} == \
+        {k: v for k, v in work_off.items() if k != "attention_flops"}
+    assert st.offload_seconds(shape, on, st.H200, 0.0) > st.offload_seconds(shape, off, st.H200, 0.0)
+    for other in (replace(on, graphs=True), replace(on, offload=False), replace(on, down_once=False)):
+        plain = replace(other, saved_attention=False)
+        assert plan(shape, other).peak_gib == plan(shape, plain).peak_gib
+        assert st.work_per_micro_step(shape, other) == st.work_per_micro_step(shape, plain)

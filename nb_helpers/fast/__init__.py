@@ -9,7 +9,7 @@ The course reaches it through this module alone, in four calls:
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
                                           #   fast.fused_lora, fast.nf4, fast.fused_block, fast.frozen_norms, fast.qkv,
-                                          #   fast.checkpoints, fast.offload, fast.graphed_layers)
+                                          #   fast.saved_attention, fast.checkpoints, fast.offload, fast.graphed_layers)
     adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
                                           #   fast.optimizer_step)
@@ -86,10 +86,12 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
         from nb_helpers.fast.fused_block import apply_fused_block
 
         counts = apply_fused_block(model, liger=bool(model._nb_levers.get("kernels")), frozen=fast.frozen_norms,
-                                   qkv_once=fast.qkv_once and bool(model._nb_levers.get("dropout_kernels")))
+                                   qkv_once=fast.qkv_once and bool(model._nb_levers.get("dropout_kernels")),
+                                   saved=fast.saved_attention)
         record(model, "fused_block", counts["layers"] > 0)
         record(model, "frozen_norms", counts["frozen_norms"] > 0)
         record(model, "qkv_once", counts["qkv"] > 0)
+        record(model, "saved_attention", counts["saved_attention"] > 0)
     if cfg.fast_path:
         install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
     elif cfg.offload_checkpoints:
@@ -165,11 +167,14 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     ran["frozen_norms"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("frozen_norms"))
     ran["qkv_once"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("qkv_once"))
+    ran["saved_attention"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("saved_attention")
+                                  and ran["offload"] and not ran["graphs"] and ran["down_once"])
     ran["nf4_in_graphs"] = bool(ran["graphs"] and getattr(model, "_nb_levers", {}).get("nf4_in_graphs"))
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once", "frozen_norms", "nf4_in_graphs", "qkv_once"):
+                      "down_once", "frozen_norms", "nf4_in_graphs", "qkv_once",
+                      "saved_attention"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from nb_helpers.fast import compat, recompute
+from nb_helpers.fast import compat, recompute, saved_attention
 from nb_helpers.fast.graphed_kept import graphed_kept
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
@@ -71,15 +71,19 @@ def set_checkpoint_offload(model, offload: bool) -> None:
     graphs, tail = graphs_on(model), tail_lever_on(model)
     keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
     down_once = options_of(model).down_once
+    # the attention a checkpoint's forward sends to CPU RAM with it: offloaded eager checkpoints with down_once's stash
+    saved = bool(options_of(model).saved_attention and offload and not graphs and tail and down_once)
     plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     layers = compat.checkpointed_layers(model)
     first_kept = len(layers) - min(len(layers), no_recompute_layers(model))  # the last layers keep activations
     for index, layer in enumerate(layers):
         if index >= first_kept:
             recompute.mark(layer, False)
+            saved_attention.mark(layer, False)
             compat.set_checkpoint_function(layer, kept_function(layer, graphs))
             continue
         recompute.mark(layer, tail, keep, down_once)
+        saved_attention.mark(layer, saved)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)

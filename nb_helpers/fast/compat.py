@@ -42,6 +42,7 @@ def _check(api: str, levers: str, *probes, **at) -> Check:  # at: _at's checks o
 
 
 LLAMA, PTM = "transformers.models.llama.modeling_llama", "transformers.modeling_utils.PreTrainedModel"
+CUDNN_SDPA = "torch.ops.aten._scaled_dot_product_cudnn_attention"  # fast.saved_attention calls it and its backward
 TRAINER, ARGS = "transformers.trainer.Trainer", "transformers.training_args.TrainingArguments"
 GC_LAYER, TRL_UTILS = "transformers.modeling_layers.GradientCheckpointingLayer", "trl.trainer.utils"
 OPT, L4, LORA = "bitsandbytes.optim.optimizer", "bitsandbytes.nn.Linear4bit", "peft.tuners.lora.LoraLayer"
@@ -61,6 +62,16 @@ CHECKS: tuple[Check, ...] = (
     _check("torch.native_dropout, torch.ops.aten.native_dropout_backward", "fused_lora",
            _at("torch.ops.aten.native_dropout.default._schema", text="(Tensor input, float p, bool? train)"),
            _at("torch.ops.aten.native_dropout_backward.default._schema", text="Tensor mask, float scale)")),
+    _check("torch.ops.aten._scaled_dot_product_cudnn_attention, _scaled_dot_product_cudnn_attention_backward",
+           "saved_attention", _at(f"{CUDNN_SDPA}.default._schema", text="(Tensor query, Tensor key, Tensor value, Tensor? "
+                                  "attn_bias, bool compute_log_sumexp, float dropout_p=0., bool is_causal=False, bool "
+                                  "return_debug_mask=False, *, float? scale=None) -> (Tensor output, Tensor logsumexp, "
+                                  "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor philox_seed, "
+                                  "Tensor philox_offset, Tensor debug_attn_mask)"),
+           _at(f"{CUDNN_SDPA}_backward.default._schema", text="(Tensor grad_out, Tensor query, Tensor key, Tensor value, "
+               "Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset, Tensor attn_bias, Tensor "
+               "cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, float? "
+               "scale=None)")),
     _check("torch.cuda.CUDAGraph.capture_begin(pool, capture_error_mode), torch.cuda.default_generators", "graphs",
            _at("torch.cuda.default_generators", kind=tuple), params=("pool", "capture_error_mode")),
     _check("torch.ops.mkldnn._is_mkldnn_bf16_supported, torch.cpu._is_avx512_bf16_supported, _is_amx_tile_supported",
@@ -146,7 +157,8 @@ CHECKS: tuple[Check, ...] = (
            _in_source(ADD_RMS, "_fused_add_rms_norm_backward_kernel", ADD_RMS_BACKWARD)),
     _check(f"{LLAMA}.LlamaDecoderLayer.forward (fast.fused_block runs a copy)", "fused_block", says=(
         "hidden_states = residual + hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)")),
-    _check(f"{LLAMA}.LlamaAttention.forward, config._attn_implementation (fast.fused_block runs a copy)", "qkv_once",
+    _check(f"{LLAMA}.LlamaAttention.forward, config._attn_implementation (fast.fused_block runs a copy)",
+           "qkv_once saved_attention",
            _at(LLAMA, attrs=("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward", "apply_rotary_pos_emb")), says=(
                "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
                "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",

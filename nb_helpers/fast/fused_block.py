@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import frozen_norms, qkv, recompute
+from nb_helpers.fast import frozen_norms, qkv, recompute, saved_attention
 from nb_helpers.fast.fused_lora import _dequantize, _weight_for_backward, frozen_linear
 
 
@@ -155,7 +155,8 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                        **kwargs):
-    """transformers' LlamaAttention.forward, with q, k and v projected by one function (fast.qkv, lever qkv_once)."""
+    """transformers' LlamaAttention.forward, with q, k and v projected by one function (fast.qkv, lever qkv_once) and
+    the attention a checkpoint's forward kept reused by its recompute (fast.saved_attention)."""
     from transformers.models.llama import modeling_llama as llama
 
     input_shape = hidden_states.shape[:-1]
@@ -167,9 +168,9 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
     attend = llama.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, llama.eager_attention_forward)
-    attn_output, attn_weights = attend(self, query_states, key_states, value_states, attention_mask,
-                                       dropout=0.0 if not self.training else self.attention_dropout,
-                                       scaling=self.scaling, **kwargs)
+    attn_output, attn_weights = saved_attention.attend(
+        self, query_states, key_states, value_states, attention_mask, attend,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
     return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), attn_weights
 
 
@@ -187,17 +188,19 @@ def _liger_norm(norm) -> bool:
         and getattr(norm, "row_mode", None) is None and getattr(norm, "weight", None) is not None
 
 
-def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False) -> dict[str, int]:
+def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False, saved: bool = False) -> dict[str, int]:
     """Route each Llama decoder layer through _layer_forward, and each MLP whose projections are frozen 4-bit layers
     through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels); `frozen`: lever frozen_norms, where
     both of a layer's norms are liger's with frozen weights; `qkv_once`: each attention whose q, k and v take it
-    projects them through fast.qkv. Returns how many layers, MLPs, fused norms, layers with frozen_norms' backward and
-    attentions with qkv_once were patched."""
+    projects them through fast.qkv; `saved`: lever saved_attention may act in each attention (fast.saved_attention;
+    fast.checkpoints switches it per layer). Both run in a copy of Llama's attention forward. Returns how many layers,
+    MLPs, fused norms, layers with frozen_norms' backward, attentions with qkv_once and with saved_attention were
+    patched."""
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
     from nb_helpers.fast.mask import decoder_of
 
-    counts = {"layers": 0, "mlps": 0, "norms": 0, "frozen_norms": 0, "qkv": 0}
+    counts = {"layers": 0, "mlps": 0, "norms": 0, "frozen_norms": 0, "qkv": 0, "saved_attention": 0}
     decoder = decoder_of(model)
     for layer in getattr(decoder, "layers", []):
         if type(layer) is not LlamaDecoderLayer:
@@ -209,9 +212,12 @@ def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False) ->
         counts["layers"] += 1
         counts["norms"] += layer._nb_liger_norm
         counts["frozen_norms"] += layer._nb_frozen_norms
-        if qkv_once and type(layer.self_attn) is LlamaAttention and qkv.takes(layer.self_attn):
-            layer.self_attn.forward = types.MethodType(_attention_forward, layer.self_attn)
-            counts["qkv"] += 1
+        attention = layer.self_attn
+        attention._nb_qkv_once = qkv_once and qkv.takes(attention)
+        if type(attention) is LlamaAttention and (attention._nb_qkv_once or saved):
+            attention.forward = types.MethodType(_attention_forward, attention)
+            counts["qkv"] += attention._nb_qkv_once
+            counts["saved_attention"] += saved
         if _frozen_mlp(layer.mlp, decoder.config):
             mlp = layer.mlp
             mlp._nb_direct, mlp._nb_liger = mlp.gate_proj._nb_direct, liger
@@ -221,11 +227,11 @@ def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False) ->
 
 
 def apply_fused_block(model, liger: bool, verbose: bool = True, frozen: bool = False,
-                      qkv_once: bool = False) -> dict[str, int]:
+                      qkv_once: bool = False, saved: bool = False) -> dict[str, int]:
     """install(), and one line saying what it patched (counts["layers"] is 0 where the model has no Llama layers)."""
     from nb_helpers.frontend import say_once
 
-    counts = install(model, liger, frozen, qkv_once)
+    counts = install(model, liger, frozen, qkv_once, saved)
     if verbose and counts["layers"]:
         say_once("fused-block", f"[fast] {counts['layers']} Llama layers with {counts['mlps']} MLPs as one function "
                                 f"each and {counts['norms']} fused add + RMSNorm ({counts['frozen_norms']} with the "

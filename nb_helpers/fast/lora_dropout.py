@@ -81,22 +81,25 @@ def _col_tile(features: int) -> int:
 def tiles(kernel: str, tokens: int, features: int) -> dict:
     """Each kernel's launch settings: its tiles (rows BT, input columns BK, outputs BN), warps and pipeline stages;
     for "forward", whether `out` is written by the down kernel itself (split=False) or by out_kernel after it; for
-    "backward", how many programs per SM its row splits aim at. `features` is the input's for "forward" and
-    "backward", the outputs' for "out". From bench/lora_kernel_sweep.py on an H200 (bench/NOTES.md, session 13): the
-    backward with four programs an SM took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the
-    forward writing 256 outputs a step 49.5 against 52.1 (q and o); each other kernel was within 5% of its best.
-    NB_LORA_TILES=before gives the settings of calls 42-66, for a benchmark's run beside these."""
+    "backward" and "shared" (the backward of q, k and v on one input, fast.qkv), how many programs per SM its row
+    splits aim at. `features` is the input's for "forward", "backward" and "shared", the outputs' for "out". From
+    bench/lora_kernel_sweep.py on an H200 (bench/NOTES.md, sessions 13 and 14): the backward with four programs an SM
+    took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the forward writing 256 outputs a step
+    49.5 against 52.1 (q and o); "shared" 181 against 188 us at 16,384 tokens and 49 against 55 at 4,096 (call 72);
+    each other kernel was within 5% of its best. NB_LORA_TILES=before gives the settings before those sweeps (calls
+    42-66; "shared": calls 71-72's, the backward's), for a benchmark's run beside these."""
+    many = tokens >= 8192
+    backward = dict(BT=16 if many else 32, BK=_col_tile(features) if many else 64, num_warps=4, num_stages=3, per_sm=4)
     if os.environ.get("NB_LORA_TILES") == "before":
         rows, cols = _row_tile(tokens), _col_tile(features)
         return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),
                 "out": dict(BT=64, BN=128, num_warps=4, num_stages=1),
-                "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2)}[kernel]
-    many = tokens >= 8192
+                "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2), "shared": backward}[kernel]
     return {"forward": dict(BT=32 if many else 16, BK=_col_tile(features), BN=256, num_warps=4, num_stages=3,
                             split=False),
             "out": dict(BT=64, BN=128 if features >= 1024 else 64, num_warps=4, num_stages=1),
-            "backward": dict(BT=16 if many else 32, BK=_col_tile(features) if many else 64, num_warps=4, num_stages=3,
-                             per_sm=4)}[kernel]
+            "backward": backward,
+            "shared": dict(BT=32 if many else 16, BK=_col_tile(features), num_warps=4, num_stages=2, per_sm=2)}[kernel]
 
 
 def _launch(settings: dict) -> dict:
@@ -159,7 +162,7 @@ def shared_grads(grad_downs, flat, lora_as, seeds, p: float, settings: dict | No
     tokens, features = flat.shape
     count, rank = len(grad_downs), grad_downs[0].shape[1]
     padded = _rank_tile(rank)
-    settings = settings or tiles("backward", tokens, features)
+    settings = settings or tiles("backward" if count == 1 else "shared", tokens, features)
     rows, cols = settings["BT"], settings["BK"]
     splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"])
     parts = torch.empty(count, splits, padded, features, dtype=torch.float32, device=flat.device)

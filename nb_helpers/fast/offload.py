@@ -6,16 +6,19 @@ for it by hand).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class _Offloaded:
     """One layer's checkpoint in pinned CPU RAM. `previous` (a weak reference) is the checkpoint packed just before it:
-    the layer whose backward comes next, so its copy back can start while this layer's backward runs."""
+    the layer whose backward comes next, so its copy back can start while this layer's backward runs. `companions`:
+    what that layer's forward sent to CPU RAM besides (fast.saved_attention), fetched back with it."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "on_device", "ready", "previous", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "device", "on_device", "ready", "previous", "companions", "__weakref__")
 
     def __init__(self, host, like, previous):
         self.host, self.shape, self.dtype, self.device = host, like.shape, like.dtype, like.device
-        self.on_device, self.ready, self.previous = None, None, previous
+        self.on_device, self.ready, self.previous, self.companions = None, None, previous, ()
 
     def fetch(self, stream) -> None:
         """Copy back on the side stream into memory of the compute stream, so that freeing it later is ordered on
@@ -23,7 +26,9 @@ class _Offloaded:
         stream first waits for the compute queued so far, which may still use the memory handed out here."""
         import torch
 
-        if self.on_device is not None:
+        for companion in self.companions:
+            companion.fetch(stream)
+        if self.on_device is not None or self.host is None:  # fetched already, or brought back and used
             return
         self.on_device = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -36,6 +41,9 @@ class _Offloaded:
 _COPY_STREAMS: dict = {}
 _IN_FLIGHT: dict = {}  # device -> (the last layer input being copied out, the event that ends its copy)
 _LAST_PACKED: list = [None]  # weak reference to the checkpoint packed last
+_SENT: list = []  # (device tensor, the event that ends its copy) sent by send_to_host, until the next pack or unpack
+_COMPANIONS: list = []  # what send_to_host sent since the last pack: the next checkpoint packed fetches it back
+_OFFLOADING: list = [0]  # offload_hooks' contexts open now
 
 
 def _copy_stream(device):
@@ -54,8 +62,47 @@ def _release_in_flight(device) -> None:
     if device in _IN_FLIGHT:
         _, done = _IN_FLIGHT.pop(device)
         torch.cuda.current_stream(device).wait_event(done)
+    for tensor, done in [sent for sent in _SENT if sent[0].device == device]:
+        torch.cuda.current_stream(device).wait_event(done)
+    _SENT[:] = [sent for sent in _SENT if sent[0].device != device]
 
 
+def offloading() -> bool:
+    """Whether a checkpoint offloaded to CPU RAM is being made now (inside offload_hooks)."""
+    return _OFFLOADING[0] > 0
+
+
+def send_to_host(tensor):
+    """A tensor a checkpointed layer's forward keeps for its own recompute (fast.saved_attention), sent to pinned CPU
+    RAM on the checkpoints' side stream; the checkpoint packed next (that layer's input) fetches it back with itself.
+    The device tensor lives until its copy ends, as a layer input does. Returns the handle for brought_back()."""
+    import torch
+
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    _SENT.append((tensor, done))
+    sent = _Offloaded(host, tensor, None)
+    _COMPANIONS.append(sent)
+    return sent
+
+
+def brought_back(sent):
+    """The tensor send_to_host sent, on the device again (fetched now unless its checkpoint fetched it already); its
+    host copy is let go: each is brought back once."""
+    import torch
+
+    sent.fetch(_copy_stream(sent.device))
+    torch.cuda.current_stream(sent.device).wait_event(sent.ready)
+    tensor, sent.on_device, sent.host = sent.on_device, None, None
+    return tensor
+
+
+@contextmanager
 def offload_hooks():
     """Saved-tensor hooks that move each checkpointed layer input to pinned host memory and bring it back in the
     backward. transformers' own `offload=True` (torch's save_on_cpu) copies synchronously, which stalls the host at
@@ -87,6 +134,7 @@ def offload_hooks():
         _IN_FLIGHT[tensor.device] = (tensor, done)
         last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
         packed = _Offloaded(host, tensor, weakref.ref(last) if last is not None else None)
+        packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
         _LAST_PACKED[0] = weakref.ref(packed)
         return packed
 
@@ -103,7 +151,12 @@ def offload_hooks():
         tensor, packed.on_device = packed.on_device, None
         return tensor
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        _OFFLOADING[0] += 1
+        try:
+            yield
+        finally:
+            _OFFLOADING[0] -= 1
 
 
 def offloaded_checkpoint(function, *args, **kwargs):

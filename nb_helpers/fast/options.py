@@ -61,6 +61,9 @@ class FastOptions:
     qkv_once: bool = True  # q, k and v of a Llama attention as one function: one kernel reads their shared input
     #                        once and writes its gradient once, where three did and autograd added them (fast.qkv);
     #                        CUDA, fused_block, dropout_kernels
+    saved_attention: bool = True  # where checkpoints go to CPU RAM, each layer's forward sends its attention output
+    #                               there too and the recompute reuses it: no attention in the recompute
+    #                               (fast.saved_attention); CUDA, fused_block, offload, down_once, not graphs
 
     @classmethod
     def from_env(cls, fast_path: bool = True, **overrides) -> "FastOptions":
@@ -191,4 +194,6 @@ LEVERS = {
                  "where three did and autograd added them", "GPU compute 11.82 against 12.03 us/token at 8 x 512 (adds "
                  "0.56 against 0.04 ms a step); at 8 x 2048 the adds' 2.2 ms went, but the three-layer kernel took 0.5 "
                  "ms more than three one-layer ones (call 71)"),
+    "saved_attention": ("where checkpoints go to CPU RAM, each layer's attention output goes with them and the "
+                        "recompute reuses it instead of attending again", "not yet measured on a GPU"),
 }

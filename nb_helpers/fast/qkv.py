@@ -40,7 +40,7 @@ def _shared_call(layers, x):
 def project(attention, x):
     """(q, k, v) = the attention's three projections of x: one function where they take it, else one call each."""
     layers = attention.q_proj, attention.k_proj, attention.v_proj
-    calls = _shared_call(layers, x)
+    calls = _shared_call(layers, x) if getattr(attention, "_nb_qkv_once", False) else None
     if calls is None:
         return tuple(layer(x) for layer in layers)
     specs = tuple((call[1], call[2], call[5]) for call in calls)  # (weight, bias, scaling)

@@ -127,6 +127,21 @@ def stashed_down_bytes(shape: Shape, inp: PlanInput) -> float:
     return recomputed_layers(shape, inp) * inp.tokens * 2 * inp.rank * len(plan_targets(shape, inp.targets))
 
 
+def saved_attention_runs(shape: Shape, inp: PlanInput) -> bool:
+    """Lever saved_attention (fast.saved_attention): Llama layers whose checkpoints go to CPU RAM, eagerly, with the
+    recompute's stash (down_once)."""
+    return bool(getattr(inp, "saved_attention", False) and shape.family == "llama" and inp.gradient_checkpointing
+                and inp.offload and not inp.graphs and inp.down_once and inp.dead_tail)
+
+
+def saved_attention_bytes(shape: Shape, inp: PlanInput) -> float:
+    """One recomputed layer's attention output (compute dtype) and log-sum-exp (fp32, per head), which its offloaded
+    forward sends to CPU RAM and its backward fetches back (0 where the lever does not run)."""
+    if not saved_attention_runs(shape, inp):
+        return 0.0
+    return inp.tokens * shape.heads * (shape.head_dim * DTYPE_BYTES[inp.compute_dtype] + 4)
+
+
 def sliding_layers_masked(shape: Shape, inp: PlanInput) -> int:
     """Layers whose window is shorter than the sequence: they run with a mask (a window as long as the sequence
     changes nothing, and transformers skips the mask then)."""
@@ -153,6 +168,7 @@ def kept_activation_bytes(shape: Shape, inp: PlanInput, padded: bool) -> tuple[f
         # the copies overlap the compute, one more layer input: being copied out in the forward, fetched back early
         # in the backward. The last L - recomputed layers keep all their activations (the larger kind, to be safe).
         kept = ((1 + int(inp.offload_overlap)) if inp.offload else recomputed) * rb * h * T
+        kept += (1 + int(inp.offload_overlap)) * saved_attention_bytes(shape, inp)  # its attention, the same way
         kept += (L - recomputed) * max(per_layer, per_sliding) * T
     else:
         kept = ((L - sliding) * per_layer + sliding * per_sliding) * T

@@ -58,7 +58,7 @@ import platform
 from dataclasses import asdict, dataclass, field
 
 from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
-from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes
+from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes, saved_attention_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
                                           absmax_kept_bytes, keeps_decoded_absmax, keeps_dequantized_weights,
                                           known_families, load_shape,
@@ -115,6 +115,7 @@ class PlanInput:
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
     nf4_in_graphs: bool = False  # with graphs: NF4 dequantized by fast.nf4's kernel inside them: time only
     qkv_once: bool = False  # q, k and v's LoRA backward one kernel, one input gradient (fast.qkv): time only
+    saved_attention: bool = False  # offloaded eager checkpoints keep their attention in CPU RAM too (fast.saved_attention)
 
     @property
     def tokens(self) -> int:
@@ -254,7 +255,8 @@ def plan_notes(shape: Shape, inp: PlanInput) -> list[str]:
         notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
     notes += unmodelled_notes(shape)
     if inp.offload and recomputed_layers(shape, inp):
-        checkpoints = recomputed_layers(shape, inp) * residual_bytes(inp) * shape.hidden * inp.tokens
+        checkpoints = recomputed_layers(shape, inp) * (residual_bytes(inp) * shape.hidden * inp.tokens
+                                                       + saved_attention_bytes(shape, inp))
         notes.append(f"checkpoints offloaded: {checkpoints / GIB:.2f} GiB of pinned CPU RAM")
     return notes
 
@@ -336,7 +338,8 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
                     one_token_count=fast.one_token_count,
                     frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels,
                     nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant,
-                    qkv_once=fast.qkv_once and fast.fused_block and fast.fused_lora and fast.dropout_kernels)
+                    qkv_once=fast.qkv_once and fast.fused_block and fast.fused_lora and fast.dropout_kernels,
+                    saved_attention=fast.saved_attention and fast.fused_block and fast.fused_lora)
     return plan(shape, keep_fitted(shape, inp, budget), budget_gib=budget)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nb_helpers.plan.activations import fused_kernels_apply
+from nb_helpers.plan.activations import fused_kernels_apply, saved_attention_bytes, saved_attention_runs
 from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
@@ -119,7 +119,8 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     reused = gc * bool(getattr(inp, "down_once", False) and getattr(inp, "dropout_kernels", False)
                        and inp.lora_dropout > 0)
     forward_attention = 2 * 2 * batch * shape.heads * shape.head_dim * seq  # times the keys each query sees
-    attention_passes = 1 + gc + BACKWARD_OVER_FORWARD
+    # the recompute attends again, unless its forward kept the output (lever saved_attention)
+    attention_passes = 1 + gc * (not saved_attention_runs(shape, inp)) + BACKWARD_OVER_FORWARD
     full_layers = layers - shape.sliding_layers
     fused = fused_kernels_apply(shape, inp)
     q_and_k = (shape.heads + shape.kv_heads) * shape.head_dim * (2 if shape.qk_norm else 1)
@@ -178,7 +179,8 @@ def offload_seconds(shape: Shape, inp, gpu: dict, busy_s: float) -> float:
     """GPU time the checkpoint copies add per micro-step: a share of them, or all the compute cannot hide."""
     if not (inp.offload and recomputed_layers(shape, inp)):
         return 0.0
-    copy_s = 2 * recomputed_layers(shape, inp) * inp.batch * inp.seq * shape.hidden * 2 / (gpu["pcie_gbs"] * 1e9)
+    per_layer = inp.batch * inp.seq * shape.hidden * 2 + saved_attention_bytes(shape, inp)  # + its attention
+    copy_s = 2 * recomputed_layers(shape, inp) * per_layer / (gpu["pcie_gbs"] * 1e9)
     return max(OFFLOAD_EXPOSED * copy_s, copy_s - busy_s)
 
 
