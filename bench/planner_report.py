@@ -130,7 +130,13 @@ THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, hel
                  for again in ("", "-again")},
               # q, k and v as one function (fast.qkv, call 71)
               "raw/throughput-call71.json": ("q, k and v as one function, with and without (call 71, held out)", True,
-                                             None)}
+                                             None),
+              "raw/throughput-call72.json": ("q, k and v as one function, with and without (call 72, held out)", True,
+                                             None),
+              # the attention an offloaded checkpoint keeps for its recompute (call 73)
+              "raw/throughput-call73.json": ("the kept attention, the default path (call 73, held out)", True, None),
+              "raw/throughput-call73-pair.json": ("the kept attention, with and without (call 73, held out)", True,
+                                                  None)}
 EARLIER = {"call20": ("throughput runs (call 20, held out)", False),
            "calls15-16": ("graphed and lean hand-set runs, throughput (calls 15-16, held out)", False),
            "calls11-12": ("graphed layers, throughput runs (fitted)", False),

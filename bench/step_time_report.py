@@ -59,7 +59,8 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")),  # call 60
                             frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")),  # call 63
                             nf4_in_graphs=bool((row.get("fast_levers") or {}).get("nf4_in_graphs")),  # call 65
-                            qkv_once=bool((row.get("fast_levers") or {}).get("qkv_once")))  # call 71
+                            qkv_once=bool((row.get("fast_levers") or {}).get("qkv_once")),  # call 71
+                            saved_attention=bool((row.get("fast_levers") or {}).get("saved_attention")))  # call 73
 
 
 def nnls(a, y, iterations: int = 20000) -> np.ndarray:
@@ -150,7 +151,9 @@ CHANGED_PATH = {"throughput-call31-dca9720.json": None, "throughput-call32-9fdf0
                 "throughput-call68.json": None, "throughput-call69.json": None, "throughput-call70.json": None,
                 "throughput-call70-again.json": None,
                 # q, k and v as one function (fast.qkv, call 71), with and without
-                "throughput-call71.json": None}
+                "throughput-call71.json": None, "throughput-call72.json": None,
+                # the attention an offloaded checkpoint keeps for its recompute (fast.saved_attention, call 73)
+                "throughput-call73.json": None, "throughput-call73-pair.json": None}
 
 
 def throughput_rows() -> list[dict]:

@@ -195,5 +195,8 @@ LEVERS = {
                  "0.56 against 0.04 ms a step); at 8 x 2048 the adds' 2.2 ms went, but the three-layer kernel took 0.5 "
                  "ms more than three one-layer ones (call 71)"),
     "saved_attention": ("where checkpoints go to CPU RAM, each layer's attention output goes with them and the "
-                        "recompute reuses it instead of attending again", "not yet measured on a GPU"),
+                        "recompute reuses it instead of attending again", "GPU compute 11.99 against 12.31 us/token "
+                        "at 8 x 2048 (cuDNN's forward 8.0 against 15.7 ms a step), 74,297 against 73,332 tokens/s; "
+                        "auto-fit then keeps no layer unrecomputed (two without) but the dequantized weights, 3.12 "
+                        "against 3.82 GiB (call 73)"),
 }
