@@ -79,7 +79,8 @@ def lever_runs(steps: int) -> list[dict]:
     return [
         # seventy-third device call: the attention an offloaded checkpoint's forward keeps for its recompute
         # (fast.saved_attention; 8 x 2048 is the workload auto-fit offloads), taken out
-        run("w2048", "no-saved-attention", 8, 1, fast="saved_attention=0", auto_fit=True, profile=True, steps=steps + 1),
+        run("w2048", "no-saved-attention", 8, 1, fast="saved_attention=0", auto_fit=True, profile=True,
+            steps=steps + 1),
         # seventy-first device call: q, k and v of each attention as one function, their LoRA backward one kernel
         # (fast.qkv), taken out
         *[run(workload, "no-qkv-once", 8, 1, fast="qkv_once=0", auto_fit=True, profile=True, steps=steps + 1)

@@ -62,7 +62,7 @@ def _release_in_flight(device) -> None:
     if device in _IN_FLIGHT:
         _, done = _IN_FLIGHT.pop(device)
         torch.cuda.current_stream(device).wait_event(done)
-    for tensor, done in [sent for sent in _SENT if sent[0].device == device]:
+    for _, done in [sent for sent in _SENT if sent[0].device == device]:
         torch.cuda.current_stream(device).wait_event(done)
     _SENT[:] = [sent for sent in _SENT if sent[0].device != device]
 

@@ -115,7 +115,7 @@ class PlanInput:
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
     nf4_in_graphs: bool = False  # with graphs: NF4 dequantized by fast.nf4's kernel inside them: time only
     qkv_once: bool = False  # q, k and v's LoRA backward one kernel, one input gradient (fast.qkv): time only
-    saved_attention: bool = False  # offloaded eager checkpoints keep their attention in CPU RAM too (fast.saved_attention)
+    saved_attention: bool = False  # offloaded eager checkpoints keep attention in CPU RAM too (fast.saved_attention)
 
     @property
     def tokens(self) -> int:
