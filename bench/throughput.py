@@ -70,6 +70,25 @@ def turing_runs(workload: str, steps: int) -> list[dict]:
             for dtype in ("bfloat16", "float16")]
 
 
+# Where each lever can run: 8 x 512 trains graphed (auto-fit), 8 x 2048 eager with checkpoints in CPU RAM
+ONLY_AT = {"nf4_in_graphs": ("w512", "shipped"), "graphs": ("w512", "shipped"), "saved_attention": ("w2048",),
+           "offload": ("w2048",), "pad_lengths": ("w2048",)}
+
+
+def gain_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
+    """The pruning measurement: our default (auto-fit) at each workload, then each named lever taken out alone
+    (auto-fit again, so a lever's memory counts through what auto-fit can choose), then our default once more: the
+    two `ours` runs bracket the host's drift over the call. Every run profiles one step (GPU compute per token)."""
+    def run(workload, name, **extra):
+        return dict(workload=workload, recipe="ours", name=name, batch=8, accum=1, gc=True, auto_fit=True,
+                    profile=True, steps=steps + 1, **extra)
+
+    first = [run(w, "ours") for w in workloads]
+    off = [run(w, f"no-{lever.replace('_', '-')}", fast=f"{lever}=0") for lever in levers for w in workloads
+           if w in ONLY_AT.get(lever, (w,))]
+    return first + off + [run(w, "ours-again", always=True) for w in workloads]
+
+
 def lever_runs(steps: int) -> list[dict]:
     """Each lever alone, at a fixed micro-batch (no auto-fit), most informative first."""
     def run(workload, name, batch, accum, **extra):
@@ -592,6 +611,8 @@ def main() -> None:
     parser.add_argument("--workloads", default="w512,w2048,shipped")
     parser.add_argument("--levers", action="store_true", help="also run each speed lever alone (8 x 1)")
     parser.add_argument("--turing", action="store_true", help="also the GTX 1650 card, auto-fit, bf16 and fp16")
+    parser.add_argument("--gains", default=None, help="comma list of levers: only our default and each of these "
+                        "levers taken out alone, at each workload (the pruning measurement)")
     parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
     parser.add_argument("--steps", type=int, default=WARMUP + 10)
     parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
@@ -635,7 +656,9 @@ def main() -> None:
         pass
     keep = set(args.only.split(",")) if args.only else None
     workloads = args.workloads.split(",")
-    plan = [spec for workload in workloads for spec in main_runs(workload, args.steps)]
+    plan = ([] if args.gains else [spec for workload in workloads for spec in main_runs(workload, args.steps)])
+    if args.gains:
+        plan += gain_runs(args.gains.split(","), workloads, args.steps)
     if args.turing:
         plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
     if args.levers:
@@ -646,7 +669,7 @@ def main() -> None:
         entry = out["workloads"].setdefault(workload, {"seq": seq, "effective_batch": 8, "runs": {}})
         if keep and spec["name"] not in keep:
             continue
-        if time.time() - start > args.deadline_s:
+        if time.time() - start > args.deadline_s and not spec.get("always"):
             print(f"[throughput] deadline: {workload}/{spec['name']} not run", flush=True)
             entry["runs"][spec["name"]] = {"recipe": spec["recipe"], "not_run": "device-call deadline"}
             continue
