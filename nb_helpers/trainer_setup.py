@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nb_helpers import distributed, fast
+from nb_helpers import compat, distributed, fast
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 
 
@@ -85,7 +85,7 @@ def adapt_trainer(run, trainer) -> None:
     if run.world_size > 1 and device.type == "cpu" and device.index is not None:
         # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the
         # map_location of a resumed run's optimizer state; "cpu" is the same memory.
-        fast.set_trainer_device(trainer, type(device)("cpu"))
+        compat.set_trainer_device(trainer, type(device)("cpu"))
     trainer.floating_point_ops = flops_counter(run.model)
     fast.adapt_trainer(trainer, run.model)
     if resolve_compute_dtype(run.cfg.compute_dtype) != "bfloat16":

@@ -1,6 +1,7 @@
-"""fast.compat: every private or internal API of another library that nb_helpers uses has a check, and every check
-passes on the pinned stack. Fails, never skips: an upgrade that moves one of them must fail here with the API's name,
-and a new private use added without a check must fail here too."""
+"""nb_helpers.compat: every private or internal API of another library that nb_helpers uses has a check, and every
+check passes on the pinned stack. Fails, never skips: an upgrade that moves one of them must fail here with the API's
+name, and a new private use added without a check must fail here too. compat is the bottom layer: it imports nothing of
+nb_helpers but frontend."""
 
 import ast
 import inspect
@@ -14,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from nb_helpers.fast import compat
+from nb_helpers import compat
+from nb_helpers.compat import adapter_keys
 
-PACKAGE = Path(compat.__file__).resolve().parents[1]
-SOURCES = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name not in ("compat.py", "compat_probes.py")]
+COMPAT = Path(compat.__file__).resolve().parent
+PACKAGE = COMPAT.parent
+COMPAT_FILES = sorted(COMPAT.glob("*.py"))
+SOURCES = [p for p in sorted(PACKAGE.rglob("*.py")) if COMPAT not in p.parents]
 API_WORDS = {w for c in compat.CHECKS for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", c.api)}
 
 
@@ -36,21 +40,36 @@ def test_the_inventory_is_well_formed():
         assert check.levers and set(check.levers) <= levers, f"{check.api}: unknown lever in {check.levers}"
         assert check.library in {"torch", "transformers", "peft", "bitsandbytes", "trl", "liger_kernel", "gguf",
                                  "huggingface_hub"}
-    for name in ("compat.py", "compat_probes.py"):
-        lines = (PACKAGE / "fast" / name).read_text(encoding="utf-8").count("\n")
-        assert lines <= 400, f"{name} has {lines} lines"  # the package's limit (test_package_structure)
+    assert {p.name for p in COMPAT_FILES} == {"__init__.py", "probes.py", "adapter_keys.py"}
+    for path in COMPAT_FILES:
+        lines = path.read_text(encoding="utf-8").count("\n")
+        assert lines <= 400, f"{path.name} has {lines} lines"  # the package's limit (test_package_structure)
 
 
-def test_importing_compat_imports_no_library():
-    """compat.py alone, loaded from its file: whatever the package's __init__ files import is not its doing."""
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('compat', {compat.__file__!r})\n"
-            "sys.modules['compat'] = module = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'bitsandbytes', 'trl', 'liger_kernel', 'gguf') "
-            "if m in sys.modules))")
+def test_importing_compat_imports_no_library_and_no_other_module_of_ours():
+    """What importing nb_helpers.compat adds to `import nb_helpers` alone: its own modules and frontend, no library."""
+    code = ("import sys, nb_helpers\n"
+            "before = set(sys.modules)\n"
+            "import nb_helpers.compat, nb_helpers.compat.adapter_keys\n"
+            "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('nb_helpers', 'torch', "
+            "'transformers', 'peft', 'bitsandbytes', 'trl', 'liger_kernel', 'gguf', 'accelerate', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert ast.literal_eval(out.stdout.strip()) == ["nb_helpers.compat", "nb_helpers.compat.adapter_keys",
+                                                    "nb_helpers.compat.probes", "nb_helpers.frontend"]
+
+
+def test_compat_is_the_bottom_layer():
+    """Its imports of nb_helpers, at any depth (inside functions too): frontend and its own modules only."""
+    ours = set()
+    for path in COMPAT_FILES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                ours.add(f"nb_helpers.compat.{node.module or ''}")
+            elif isinstance(node, ast.ImportFrom) and node.module.startswith("nb_helpers"):
+                ours |= {node.module} if node.module != "nb_helpers" else {f"nb_helpers.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                ours |= {a.name for a in node.names if a.name.startswith("nb_helpers")}
+    assert ours and ours <= {"nb_helpers.frontend", "nb_helpers.compat", "nb_helpers.compat.probes"}, ours
 
 
 # --- an API that moved fails by name and turns off exactly its levers ---------------------------------------------
@@ -148,15 +167,18 @@ ADD_NORM = ("def fused_add_rms_norm_forward(X, R, W, eps, offset, casting_mode):
             f"def _fused_add_rms_norm_backward_kernel({', '.join(compat.ADD_RMS_BACKWARD)}):\n    pass\n")
 
 
+SWIGLU_FORWARD = "def swiglu_forward(a, b, gate_multiplier: float = 1.0):\n    return a, b, c.view(*ori_shape)\n"
+
+
 def write_liger(root: Path, rms_norm_forward: str, swiglu_backward: str = "a, b, dc, gate_multiplier=1.0",
-                norm_forward: str = NORM_FORWARD) -> None:
+                norm_forward: str = NORM_FORWARD, swiglu_forward: str = SWIGLU_FORWARD) -> None:
     """A stand-in liger-kernel source tree (the real one needs Triton and a GPU to import; the checks only read it)."""
     files = {"__init__.py": "", "ops/__init__.py": "", "transformers/__init__.py": "",
              "ops/rms_norm.py": f"class LigerRMSNormFunction:\n    @staticmethod\n    def forward({rms_norm_forward}):\n"
                                 f"        pass\n{norm_forward}",
              "ops/swiglu.py": "class LigerSiLUMulFunction:\n    @staticmethod\n"
                               "    def forward(ctx, a, b, gate_multiplier=1.0, down_multiplier=1.0):\n        pass\n"
-                              f"def swiglu_backward({swiglu_backward}):\n    pass\n",
+                              f"def swiglu_backward({swiglu_backward}):\n    pass\n{swiglu_forward}",
              "ops/fused_add_rms_norm.py": "class LigerFusedAddRMSNormFunction:\n    @staticmethod\n    def forward(ctx, "
                                           "X, R, W, eps, offset=0.0, casting_mode='llama', in_place=False):\n"
                                           f"        pass\n{ADD_NORM}",
@@ -183,6 +205,25 @@ def test_liger_signatures_are_read_from_source(monkeypatch, tmp_path):
     assert set(compat.failed(["kernels", "fused_block"])) == {"kernels", "fused_block"}
 
 
+@pytest.mark.parametrize("forward, says", [
+    ("def swiglu_forward(a, b):\n    return a, b, c.view(*ori_shape)\n", "swiglu_forward takes ['a', 'b'], we pass"),
+    ("def swiglu_forward(a, b, gate_multiplier=1.0):\n    return c.view(*ori_shape)\n", "no longer does `return"),
+    ("def swiglu_forward(b, a, gate_multiplier=1.0):\n    return a, b, c.view(*ori_shape)\n", "takes ['b', 'a', 'gate_multiplier'], we pass"),
+    ("", "swiglu.swiglu_forward is gone")])
+def test_a_changed_liger_swiglu_forward_turns_off_the_levers_that_call_it(monkeypatch, tmp_path, forward, says):
+    """fast.fused_block calls swiglu_forward(gate, up, 1.0)[2]: its arguments by position and what it returns."""
+    for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stock = "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None"
+    write_liger(tmp_path, stock)
+    assert compat.failed(["kernels", "fused_block", "frozen_norms"]) == {}
+    write_liger(tmp_path, stock, swiglu_forward=forward)
+    why = compat.failed(["kernels", "fused_block", "frozen_norms"])
+    assert set(why) == {"kernels", "fused_block"} and says in why["fused_block"], why
+    assert why["fused_block"].startswith("liger_kernel.ops.LigerSiLUMulFunction.apply")
+
+
 def test_a_changed_liger_norm_internal_turns_off_only_frozen_norms(monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
         monkeypatch.delitem(sys.modules, name)
@@ -205,6 +246,89 @@ def test_fallback_note_is_the_one_line_the_brief_names():
     assert compat.fallback_note("direct_optim", api, "it moved") == expected
     assert compat.fallback_note("direct_optim", f"{api}: it moved") == expected
 
+
+
+# --- peft's key matching, which the adapter check uses, and its fallback -----------------------------------------
+def lora_configs():
+    from peft import LoraConfig
+
+    return [LoraConfig(target_modules=["q_proj", "v_proj"]),
+            LoraConfig(target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 4, "layers.1.self_attn.q_proj": 2}),
+            LoraConfig(target_modules=r".*\.(q|k)_proj", exclude_modules=r".*layers\.1\..*"),
+            LoraConfig(target_modules=["q_proj", "k_proj", "up_proj"], exclude_modules=["layers.0.self_attn.q_proj"]),
+            LoraConfig(target_modules=["q_proj", "o_proj"], layers_to_transform=[0, 2]),
+            LoraConfig(target_modules=["q_proj", "o_proj"], layers_to_transform=1, layers_pattern="layers"),
+            LoraConfig(target_modules="all-linear"),
+            LoraConfig(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"])]
+
+
+KEYS = [f"model.layers.{i}.{part}" for i in (0, 1, 2, 10) for part in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+KEYS += ["lm_head", "q_proj", "model.embed_tokens"]
+
+
+def test_the_adapter_key_fallback_follows_peft():
+    """Where peft's matchers fail their check, adapter_keys' own rules answer: the same answers, key by key."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.other import get_pattern_key
+
+    answers = set()
+    for config in lora_configs():
+        for key in KEYS:
+            answer = bool(check_target_module_exists(config, key))
+            assert adapter_keys.targeted(config, key) == answer, (config.target_modules, key)
+            answers.add(answer)
+            assert adapter_keys.pattern_key(config.rank_pattern, key) == get_pattern_key(config.rank_pattern, key)
+    assert answers == {True, False}
+    config = lora_configs()[1]
+    assert {adapter_keys.pattern_key(config.rank_pattern, k) for k in KEYS} >= {"v_proj", "layers.1.self_attn.q_proj"}
+
+
+def test_key_matchers_use_peft_while_its_check_passes(monkeypatch, capsys):
+    from peft.tuners import tuners_utils
+
+    calls = []
+    real = tuners_utils.check_target_module_exists
+    monkeypatch.setattr(tuners_utils, "check_target_module_exists", lambda config, key: calls.append(key) or real(
+        config, key))
+    config = lora_configs()[1]
+    targeted, rank = adapter_keys.key_matchers(config)
+    assert targeted("model.layers.1.self_attn.q_proj") and not targeted("model.layers.1.self_attn.k_proj")
+    assert "model.layers.1.self_attn.k_proj" in calls  # peft's own function answered
+    assert (rank("model.layers.1.self_attn.q_proj"), rank("model.layers.0.self_attn.v_proj")) == (2, 4)
+    assert rank("model.layers.0.self_attn.q_proj") == 8
+    assert "[compat]" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, says", [("signature", "check_target_module_exists takes ('key', 'config') first"),
+                                          ("answers", "check_target_module_exists answers otherwise for"),
+                                          ("pattern", "get_pattern_key gives"), ("gone", "has no attribute")])
+def test_a_changed_peft_matcher_falls_back_with_one_line(monkeypatch, capsys, change, says):
+    from peft.tuners import tuners_utils
+    from peft.utils import other
+
+    from nb_helpers import frontend
+
+    real = tuners_utils.check_target_module_exists
+    if change == "signature":
+        monkeypatch.setattr(tuners_utils, "check_target_module_exists", lambda key, config: real(config, key))
+    elif change == "answers":  # a peft that no longer matches a name against the key's last part
+        monkeypatch.setattr(tuners_utils, "check_target_module_exists", lambda config, key: key in config.target_modules)
+    elif change == "pattern":
+        monkeypatch.setattr(other, "get_pattern_key", lambda pattern_keys, key_to_match: key_to_match)
+    else:
+        monkeypatch.delattr(tuners_utils, "check_target_module_exists")
+    why = compat.failure(compat.PEFT_KEYS)
+    assert why and says in why, why
+    assert compat.failed()["course"].startswith(compat.PEFT_KEYS) and set(compat.failed()) == {"course"}
+    monkeypatch.setattr(frontend, "_SAID", set())
+    for _ in range(2):
+        targeted, rank = adapter_keys.key_matchers(lora_configs()[1])
+        assert targeted("model.layers.1.self_attn.q_proj") and not targeted("model.layers.1.self_attn.k_proj")
+        assert (rank("model.layers.1.self_attn.q_proj"), rank("model.layers.0.self_attn.v_proj")) == (2, 4)
+    out = capsys.readouterr().out
+    assert out.count(f"[compat] {compat.PEFT_KEYS} changed in peft {metadata.version('peft')} ({why})") == 1, out
+    assert out.count("\n") == 1 and "the adapter check matches keys by the rules peft 0.21 applies" in out
 
 # --- the accessors ----------------------------------------------------------------------------------------------
 def package_constants() -> dict:
@@ -280,7 +404,7 @@ def defined_in_package() -> set[str]:
     """Every name nb_helpers defines itself: functions, classes, arguments, variables, and attributes set on self
     (our own privates like _say_once, _decoder, _nb_fast are ours, not another library's)."""
     names = set()
-    for path in [*SOURCES, PACKAGE / "fast" / "compat.py"]:
+    for path in [*SOURCES, *COMPAT_FILES]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(node.name)
@@ -336,7 +460,7 @@ def test_the_scan_finds_foreign_private_names(tmp_path):
 
 def test_every_foreign_private_name_in_the_package_has_a_check():
     missing = [f"{where}:{line}: {name}" for where, line, name in foreign_private_uses() if name not in API_WORDS]
-    assert not missing, ("private APIs of other libraries used without a check in nb_helpers/fast/compat.py "
+    assert not missing, ("private APIs of other libraries used without a check in nb_helpers/compat/ "
                          "(add a Check naming each, or call a compat accessor):\n" + "\n".join(missing))
 
 
@@ -361,6 +485,9 @@ INTERNAL = {
     r"\brotate_checkpoints\b": "rotate_checkpoints", r"\.HF_HUB_OFFLINE\s*=": "HF_HUB_OFFLINE",
     r"\brms_norm_forward\(": "rms_norm_forward", r"\bfused_add_rms_norm_forward\(": "fused_add_rms_norm_forward",
     r"\.capture_begin\(": "capture_begin", r"\bnative_dropout": "native_dropout", r"\bbase_model_prefix\b": "base_model_prefix",
+    r"\bswiglu_forward\b": "swiglu_forward", r"\bswiglu_backward\b": "swiglu_backward",
+    r"\bcheck_target_module_exists\b": "check_target_module_exists", r"\bget_pattern_key\b": "get_pattern_key",
+    r"peft\.tuners\.tuners_utils\b": "peft.tuners.tuners_utils", r"peft\.utils\.other\b": "peft.utils.other",
 }
 
 
@@ -372,4 +499,4 @@ def test_every_internal_api_in_the_package_has_a_check():
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
                 if re.search(pattern, line) and word not in apis:
                     missing.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {word} ({pattern})")
-    assert not missing, "internal APIs used without a check in nb_helpers/fast/compat.py:\n" + "\n".join(missing)
+    assert not missing, "internal APIs used without a check in nb_helpers/compat/:\n" + "\n".join(missing)

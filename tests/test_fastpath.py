@@ -200,7 +200,7 @@ def test_the_budget_cap_holds_with_expandable_segments():
     allocator grows expandable segments."""
     import torch
 
-    from nb_helpers.fast.compat import use_expandable_segments
+    from nb_helpers.compat import use_expandable_segments
     from nb_helpers.plan.budget import enforce_budget
 
     assert use_expandable_segments()
@@ -423,8 +423,8 @@ def test_fast_path_false_turns_every_lever_off_on_a_gpu(monkeypatch):
 def test_a_failed_compat_check_turns_its_lever_off_with_one_line(monkeypatch, capsys):
     import torch
 
+    from nb_helpers import compat
     from nb_helpers.config import RunConfig
-    from nb_helpers.fast import compat
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(frontend, "_SAID", set())

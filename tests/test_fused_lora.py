@@ -102,10 +102,9 @@ def test_fused_layers_match_on_the_gpu_in_bf16(tiny_cfg):
 
 def test_direct_dequantize_falls_back_without_cuda_kernels_and_says_so_once(capsys, monkeypatch):
     """Where the probe finds no kernels (a CPU build of bitsandbytes has no CUDA backend; a changed one fails
-    fast.compat's check) it says so once, and the public dequantize_4bit runs. The probe is made to fail here, so
+    nb_helpers.compat's check) it says so once, and the public dequantize_4bit runs. The probe is made to fail here, so
     the test means the same on a machine with a GPU."""
-    from nb_helpers import frontend
-    from nb_helpers.fast import compat
+    from nb_helpers import compat, frontend
 
     def no_kernels():
         raise RuntimeError("no CUDA backend in this build of bitsandbytes")

@@ -15,9 +15,9 @@ The course reaches it through this module alone, in four calls:
                                           #   fast.optimizer_step)
 
 One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
-API of another library that the package uses is checked in fast.compat, and the riskiest calls go through it: a failed
-check turns its lever off with one line naming the API, and `make test` fails on it. `levers_ran(model, cfg)` is what
-config.json, summary.json and the log say ran.
+API of another library that the package uses is checked in nb_helpers.compat, and the riskiest calls go through it:
+a failed check turns its lever off with one line naming the API, and `make test` fails on it. `levers_ran(model,
+cfg)` is what config.json, summary.json and the log say ran.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "set_keep_dequantized", "out_of_memory_raises", "reset_graphs", "add_fused_lm_head", "set_trainer_device",
-           "lever_table", "trainer_token_count"]
+           "set_keep_dequantized", "out_of_memory_raises", "reset_graphs", "lever_table", "trainer_token_count"]
 
 
 def options_for(cfg) -> FastOptions:
     """The run's levers: `cfg.fast_path`, the machine, NB_FASTPATH, then any lever whose private API failed its check
-    (fast.compat) turned off with one line."""
-    from nb_helpers.fast import compat
+    (nb_helpers.compat) turned off with one line."""
+    from nb_helpers import compat
 
     fast = FastOptions.for_run(cfg)
     for lever, why in compat.failed([name for name, on in fast.speed_levers().items() if on]).items():
@@ -219,10 +218,10 @@ def lever_table(cfg) -> str:
 
 
 def use_expandable_segments(fast: FastOptions) -> bool | None:
-    """Expandable allocator segments where the lever is on (fast.compat holds the private call); None when off."""
+    """Expandable allocator segments where the lever is on (nb_helpers.compat holds the private call); None if off."""
     if not fast.expandable:
         return None
-    from nb_helpers.fast.compat import use_expandable_segments as expandable
+    from nb_helpers.compat import use_expandable_segments as expandable
 
     return expandable()
 
@@ -238,8 +237,6 @@ LAZY = {
     "padded_length": ("graphed_layers", "padded_length"),
     "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
-    "add_fused_lm_head": ("compat", "add_fused_lm_head"),  # TRL's fused LM head, for auto-fit's trial step
-    "set_trainer_device": ("compat", "set_trainer_device"),  # the Trainer's cached device (several CPU processes)
     "trainer_token_count": ("host_step", "trainer_token_count"),  # include_num_input_tokens_seen for this run
 }
 

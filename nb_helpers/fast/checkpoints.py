@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 
-from nb_helpers.fast import compat, recompute, saved_attention
+from nb_helpers import compat
+from nb_helpers.fast import recompute, saved_attention
 from nb_helpers.fast.graphed_kept import graphed_kept
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint

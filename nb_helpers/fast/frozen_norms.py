@@ -12,7 +12,7 @@ of its own, once per layer. norm_keeping_input returns (norm(x), x) from one fun
 residual's gradient inside the norm's kernel, as liger's fused add + norm already does for the post-attention norm:
 one pass fewer over the hidden states, rounded once instead of twice.
 
-liger's forward functions and its backward kernel are not its public API: fast.compat checks their signatures.
+liger's forward functions and its backward kernel are not its public API: nb_helpers.compat checks their signatures.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ activations whose work a neighbour can do. At 8 x 2048 tokens on an H200 one pas
     no_grad (a checkpoint's first forward, evaluation) that add runs inside down's GEMM instead (beta=1).
 
 Each piece runs only where it applies, and the stock code runs otherwise: LoRA or a bias on the MLP, an activation
-other than SiLU, no liger (CPU) for the norm. fast.compat checks that Llama's layer still has the shape copied here.
+other than SiLU, no liger (CPU) for the norm. nb_helpers.compat checks that Llama's layer still has the shape
+copied here.
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ def direct_kernels_unavailable_reason() -> str | None:
 
 def _probe_kernels():
     """bitsandbytes' dequantize kernels with the argument types its CUDA backend declares, and None; or None and why
-    not (a CPU-only build, or internals that fast.compat finds changed)."""
-    from nb_helpers.fast import compat
+    not (a CPU-only build, or internals that nb_helpers.compat finds changed)."""
+    from nb_helpers import compat
 
     try:
         return compat.dequantize_kernels(), None

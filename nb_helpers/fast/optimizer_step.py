@@ -26,7 +26,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bitsandbytes' kernel
 def _kernels():
     if not _KERNELS:
         try:
-            from nb_helpers.fast import compat
+            from nb_helpers import compat
 
             _KERNELS.append((compat.adam_kernels(), None))
         except Exception as error:  # noqa: BLE001 - a CPU-only build, or bitsandbytes moved its kernel tables

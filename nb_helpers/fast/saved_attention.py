@@ -11,9 +11,9 @@ log-sum-exp), which is what the recompute would run again.
 
 It runs only where all of this holds; transformers' attention runs otherwise: a Llama attention patched by
 fast.fused_block, an eager checkpoint offloaded to CPU RAM whose recompute reuses its forward's stash (fast.recompute),
-no mask, no cache, no dropout, 16-bit on CUDA, and cuDNN's two ops as fast.compat checks them. It costs 2 bytes per
-token and head dimension and 4 per token and head of pinned RAM per layer, and one more layer's worth of them on the
-card while they are copied (the planner counts both).
+no mask, no cache, no dropout, 16-bit on CUDA, and cuDNN's two ops as nb_helpers.compat checks them. It costs 2
+bytes per token and head dimension and 4 per token and head of pinned RAM per layer, and one more layer's worth of
+them on the card while they are copied (the planner counts both).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 
-from nb_helpers import distributed, fast
+from nb_helpers import compat, distributed, fast
 from nb_helpers.config import RunConfig
 from nb_helpers.data import longest_row_tokens
 from nb_helpers.plan.cards import budget_of, planning_context_gib
@@ -120,7 +120,7 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     if batch > 1:  # real micro-batches are padded, which costs an attention mask: the trial pays it too
         mask[-1, -min(16, length // 2):] = 0
     if not getattr(model, "_nb_fused_head", False):
-        fast.add_fused_lm_head(model.get_base_model())
+        compat.add_fused_lm_head(model.get_base_model())
         model._nb_fused_head = True
     try:
         with fast.out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly

@@ -127,33 +127,33 @@ def read_finite_tensors(path: Path) -> dict[str, tuple[int, ...]]:
 def check_shapes(path: Path, shapes: dict, config, base_layers: dict, base: str) -> None:
     """Every lora_A is (r, in_features) and every lora_B (out_features, r) of a module adapter_config.json targets
     and the base has; every such module has both. Other tensors (DoRA magnitudes, saved modules) are not sized here."""
-    from peft.tuners.tuners_utils import check_target_module_exists
-    from peft.utils.other import get_pattern_key
+    from nb_helpers.compat.adapter_keys import key_matchers
 
+    targeted, rank_of = key_matchers(config)  # peft's matchers, checked in nb_helpers.compat
     found = set()
     for name, shape in shapes.items():
         match = LORA_KEY.fullmatch(name)
         if not match:
             continue
         module, side = match["module"], match["side"]
-        if not check_target_module_exists(config, module):
+        if not targeted(module):
             targets = config.target_modules if isinstance(config.target_modules, str) else sorted(config.target_modules)
             raise AdapterError(f"{path}: holds {name}, but {CONFIG_FILE} targets {targets} — the two files come "
                                "from different adapters.")
         if module not in base_layers:
             raise AdapterError(f"{path}: holds {name}, but {base} has no linear layer {module} — the adapter was "
                                "made for another base model.")
-        rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+        rank = rank_of(module)
         fan_in, fan_out = base_layers[module]
         expected = (rank, fan_in) if side == "A" else (fan_out, rank)
         if shape != expected:
             raise AdapterError(f"{path}: {name} is {list(shape)}, expected {list(expected)} — "
                                + shape_mismatch(shape, side, rank, base, module, fan_in, fan_out))
         found.add((module, side))
-    targeted = [m for m in base_layers if check_target_module_exists(config, m)]
-    missing = [f"{m}.lora_{side}" for m in targeted for side in "AB" if (m, side) not in found]
+    wanted = [m for m in base_layers if targeted(m)]
+    missing = [f"{m}.lora_{side}" for m in wanted for side in "AB" if (m, side) not in found]
     if missing:
-        raise AdapterError(f"{path}: no weights for {len(missing)} of the {2 * len(targeted)} LoRA matrices "
+        raise AdapterError(f"{path}: no weights for {len(missing)} of the {2 * len(wanted)} LoRA matrices "
                            f"{CONFIG_FILE} puts on {base} (first: {missing[0]}) — the file is incomplete or the "
                            "adapter was made for another base model.")
 

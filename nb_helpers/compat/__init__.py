@@ -1,10 +1,12 @@
 """Every private or internal API of another library that nb_helpers leans on, in one place, each with a probe.
 
-The fast path reaches past the public surface of torch, transformers, peft, bitsandbytes, TRL and liger-kernel, none of
-it promised across versions. Each use is a Check whose probe verifies the name AND the shape we rely on: an upgrade
-that moves one fails in CI (tests/test_compat.py), and at run time its lever falls back with one line (fallback_note).
-Uses outside fast/ carry the pseudo-lever "course": the check must pass. Nothing imports eagerly. How the probes read a
-library (signatures from source, bitsandbytes' ctypes kernels) is fast.compat_probes."""
+The course and its fast path reach past the public surface of torch, transformers, peft, bitsandbytes, TRL, gguf and
+liger-kernel, none of it promised across versions. Each use is a Check whose probe verifies the name AND the shape we
+rely on: an upgrade that moves one fails in CI (tests/test_compat.py), and at run time its lever falls back with one
+line (fallback_note). Uses outside fast/ carry the pseudo-lever "course": the check must pass, and where a stock
+fallback exists (adapter_keys) its accessor takes it with one line. The bottom layer: it imports nothing of nb_helpers
+but frontend, and no library eagerly. How the probes read a library (signatures from source, bitsandbytes' ctypes
+kernels) is compat.probes; the peft key matching the adapter check uses is compat.adapter_keys."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable
 
-from nb_helpers.fast.compat_probes import (ADAM_8BIT, ADAM_32BIT, BNB_OPS, DEQUANT_4BIT, QUANTS,  # noqa: F401
-                                           _at, _c_binding, _in_source, _kernels, _optimizer, _quant_state, _resolve,
-                                           _source)
+from nb_helpers.compat.probes import (ADAM_8BIT, ADAM_32BIT, BNB_OPS, DEQUANT_4BIT, QUANTS,  # noqa: F401
+                                     _at, _c_binding, _in_source, _kernels, _optimizer, _peft_keys, _quant_state,
+                                     _resolve, _source)
 
 COURSE = "course"
 OPTIONAL, DISTRIBUTIONS = {"liger_kernel"}, {"liger_kernel": "liger-kernel"}  # a GPU extra: absent, its lever is off
@@ -47,6 +49,8 @@ TRAINER, ARGS = "transformers.trainer.Trainer", "transformers.training_args.Trai
 GC_LAYER, TRL_UTILS = "transformers.modeling_layers.GradientCheckpointingLayer", "trl.trainer.utils"
 OPT, L4, LORA = "bitsandbytes.optim.optimizer", "bitsandbytes.nn.Linear4bit", "peft.tuners.lora.LoraLayer"
 RMS, ADD_RMS = "liger_kernel.ops.rms_norm", "liger_kernel.ops.fused_add_rms_norm"
+PEFT_KEYS = ("peft.tuners.tuners_utils.check_target_module_exists(config, key), "
+             "peft.utils.other.get_pattern_key(pattern_keys, key_to_match)")
 ADD_RMS_BACKWARD = tuple("dY_ptr dY_row_stride dS_out_ptr dS_out_row_stride dX_ptr dX_row_stride X_ptr X_row_stride X_dtype "
                          "W_ptr W_row_stride RSTD_ptr RSTD_row_stride dW_ptr dW_row_stride n_rows n_cols offset "
                          "rows_per_program casting_mode BLOCK_SIZE has_dS_out COMPUTE_DW".split())  # as we pass them
@@ -93,6 +97,8 @@ CHECKS: tuple[Check, ...] = (
     _check(f"{ARGS}._n_gpu", COURSE, _at(f"{ARGS}.n_gpu.fget", says=("self._n_gpu",))),
     _check(f"{TRAINER}._save_checkpoint(model, trial)", COURSE, first=("self", "model", "trial")),
     _check("transformers.trainer_utils.rotate_checkpoints", COURSE, params=("output_dir", "save_total_limit")),
+    _check(PEFT_KEYS, COURSE, _peft_keys,  # compat.adapter_keys falls back to the rules these follow
+           _at("peft.utils.other.get_pattern_key", first=("pattern_keys", "key_to_match")), first=("config", "key")),
     _check("huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE", COURSE,  # set by safety/hub
            _at("datasets.config.HF_HUB_OFFLINE", kind=bool), kind=bool),
     _check(f"{TRAINER}.floating_point_ops(inputs)", COURSE, first=("self", "inputs")),
@@ -145,6 +151,8 @@ CHECKS: tuple[Check, ...] = (
            "gate_multiplier), swiglu_backward(a, b, dc, gate_multiplier)", "kernels fused_block",
            _in_source("liger_kernel.ops.swiglu", "LigerSiLUMulFunction.forward",
                       ("ctx", "a", "b", "gate_multiplier", "down_multiplier")),
+           _in_source("liger_kernel.ops.swiglu", "swiglu_forward", ("a", "b", "gate_multiplier"),  # we take its [2]
+                      says=("return a, b, c.view(*ori_shape)",)),
            _in_source("liger_kernel.ops.swiglu", "swiglu_backward", ("a", "b", "dc", "gate_multiplier"))),
     _check("liger_kernel.ops.LigerFusedAddRMSNormFunction.apply(X, R, W, eps, offset, casting_mode, in_place)",
            "fused_block", _in_source("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction.forward",
@@ -182,14 +190,21 @@ def _absent(check: Check) -> bool:
     return check.library in OPTIONAL and importlib.util.find_spec(check.library) is None
 
 
+def _reason(check: Check) -> str | None:
+    try:
+        return None if _absent(check) else check.probe()
+    except Exception as e:  # noqa: BLE001 - whatever a moved API raises is the reason
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
 def run_checks(levers=None) -> list[tuple[Check, str | None]]:
     """Each check (of `levers` only) with None or why it failed; an absent optional library's lever is off anyway."""
-    def reason(check):
-        try:
-            return None if _absent(check) else check.probe()
-        except Exception as e:  # noqa: BLE001 - whatever a moved API raises is the reason
-            return f"{type(e).__name__}: {str(e)[:160]}"
-    return [(c, reason(c)) for c in CHECKS if levers is None or set(c.levers) & set(levers)]
+    return [(c, _reason(c)) for c in CHECKS if levers is None or set(c.levers) & set(levers)]
+
+
+def failure(api: str) -> str | None:
+    """Why the check of `api` (a Check.api) fails, or None: for an accessor with a stock fallback of its own."""
+    return _reason(next(c for c in CHECKS if c.api == api))
 
 
 def failed(levers=None) -> dict[str, str]:

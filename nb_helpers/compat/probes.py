@@ -1,6 +1,7 @@
-"""How fast.compat's probes look at a library: a name and its signature imported or read from source, a CUDA-only
-binding, bitsandbytes' ctypes kernels and the argument counts its own calls pass, and the QuantState and optimizer
-fields we read. fast.compat holds the inventory (one Check per private use) and runs them; nothing imports eagerly."""
+"""How nb_helpers.compat's probes look at a library: a name and its signature imported or read from source, a
+CUDA-only binding, bitsandbytes' ctypes kernels and the argument counts its own calls pass, and the QuantState and
+optimizer fields we read. nb_helpers.compat holds the inventory (one Check per private use) and runs them; nothing
+imports eagerly."""
 
 from __future__ import annotations
 
@@ -146,3 +147,22 @@ def _optimizer() -> str | None:
     keys = {n.slice.value for n in ast.walk(init) if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)}
     missing = {"step", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"} - keys
     return f"init_state no longer makes {sorted(missing)}" if missing else None
+
+
+
+def _peft_keys() -> str | None:
+    """peft's key matching does what the adapter check (compat.adapter_keys) relies on: a list of names matches a key
+    or its last parts, exclude_modules wins, a string matches the whole key, rank_pattern is found by its name."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists as targets
+    from peft.utils.other import get_pattern_key
+
+    listed = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], exclude_modules=["layers.1.self_attn.q_proj"])
+    pattern, key = LoraConfig(target_modules=r".*\.0\..*q_proj"), "model.layers.{}.self_attn.{}_proj"
+    cases = [(listed, key.format(0, "q"), True), (listed, key.format(0, "k"), False),
+             (listed, key.format(1, "q"), False), (pattern, key.format(0, "q"), True),
+             (pattern, key.format(10, "q"), False)]
+    if wrong := [k for config, k, want in cases if bool(targets(config, k)) != want]:
+        return f"check_target_module_exists answers otherwise for {wrong[0]}"
+    found = (get_pattern_key(["v_proj", "mlp.up_proj"], key.format(3, "v")), get_pattern_key(["v_proj"], "lm_head"))
+    return None if found == ("v_proj", "lm_head") else f"get_pattern_key gives {found}, not ('v_proj', 'lm_head')"
