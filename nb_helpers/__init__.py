@@ -7,7 +7,7 @@
 
 import logging
 
-from nb_helpers.safety.hub import decide_offline
+from nb_helpers.hub import decide_offline
 
 __version__ = "0.1.0"
 

@@ -145,8 +145,6 @@ def cmd_clean_notebooks(args) -> int:
     """Strip outputs, execution counts and widget state, the way notebooks are committed."""
     import nbformat
 
-    from nb_helpers.safety.notebook_files import read_notebooks
-
     paths = [Path(p) for p in args.paths] or sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
     for path, nb in read_notebooks(paths):  # every one read before any is rewritten
         for cell in nb.cells:
@@ -157,6 +155,23 @@ def cmd_clean_notebooks(args) -> int:
         nbformat.write(nb, path)
         print(f"cleaned {path}")
     return 0
+
+
+def read_notebooks(paths: list[Path]) -> list[tuple[Path, object]]:
+    """The notebooks `clean-notebooks` rewrites in place, all read first: a path that is missing, a folder or not a
+    notebook is one line naming it, found before any file is rewritten (it was a traceback after the first ones)."""
+    import nbformat
+
+    notebooks = []
+    for path in paths:
+        try:
+            notebooks.append((path, nbformat.read(path, as_version=4)))
+        # OSError: missing, a folder; ValueError: not JSON; the others: JSON that is no notebook ('5', '{}')
+        except (OSError, ValueError, AttributeError, nbformat.ValidationError) as e:
+            what = f"{type(e).__name__}: {e.strerror}" if isinstance(e, OSError) else str(e).splitlines()[0][:200]
+            raise ConfigError(f"{path}: cannot read it as a notebook ({what}); give .ipynb files, or no path for "
+                              "notebooks/*.ipynb") from None
+    return notebooks
 
 
 def _add_env(sub) -> None:

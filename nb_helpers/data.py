@@ -16,14 +16,13 @@ problem as FILE:LINE: problem — fix, and never raises on bad content.
 
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from nb_helpers.config import RunConfig
-from nb_helpers.safety.jsonl_lines import RowProblem, parse_line, split_lines
-from nb_helpers.safety.local_paths import missing_path_problem
-from nb_helpers.safety.row_lengths import all_dropped_problem, length_warning
+from nb_helpers.hub import missing_path_problem
 
 ROLES = ("system", "user", "assistant")
 FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
@@ -32,6 +31,51 @@ FIELDS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion
 
 class DataError(ValueError):
     """A dataset problem, reported as FILE:LINE: problem — fix."""
+
+
+class RowProblem(ValueError):
+    def __init__(self, problem: str, fix: str):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+# --- one JSONL line as people's tools write it, read into JSON or refused with the line's problem and its fix -------
+# A Windows editor starts the file with a UTF-8 byte order mark, which made line 1, a good row, "not valid JSON";
+# CRLF line ends are JSON whitespace already. A lone surrogate ("\ud800", half of a UTF-16 pair, which json.dumps
+# writes for a broken emoji) decodes to text that no tokenizer and no print can take, and thousands of nested
+# brackets overflow the JSON reader's recursion: both crashed `validate-data` with a traceback; each is a row problem.
+
+def split_lines(raw: bytes) -> list[bytes]:
+    """The file's lines, numbered from 1 by the caller; a byte order mark is not part of line 1."""
+    return raw.removeprefix(codecs.BOM_UTF8).split(b"\n")
+
+
+def parse_line(raw_line: bytes):
+    """The line's JSON value, or RowProblem."""
+    try:
+        line = raw_line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RowProblem(f"not UTF-8 (byte 0x{raw_line[e.start]:02x} at column {e.start + 1})",
+                         "re-save the file as UTF-8") from None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RowProblem(f"not valid JSON ({e.msg} at column {e.colno})", "fix or remove this line") from None
+    except RecursionError:
+        raise RowProblem("brackets nested too deeply to read", "fix or remove this line (a row is one object of "
+                         "strings and message lists)") from None
+    if "\\u" in line:  # surrogates come only from \u escapes: the UTF-8 decoder refuses encoded ones
+        refuse_lone_surrogates(record)
+    return record
+
+
+def refuse_lone_surrogates(record) -> None:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        half = f"\\u{ord(e.object[e.start]):04x}"
+        raise RowProblem(f"holds {half}, half of a UTF-16 pair with no other half (not a character)",
+                         f"write the whole character, or remove the {half} escape") from None
 
 
 @dataclass
@@ -189,6 +233,40 @@ def _token_count(tokenizer, row: dict) -> tuple[int, int]:
     return prompt, len(tokens["input_ids"])
 
 
+# --- rows against max_length, as SFTTrainer (TRL 1.16) treats them -------------------------------------------------
+# A row longer than max_length loses its last tokens; one whose prompt alone fills max_length keeps no answer token to
+# learn from, and SFTTrainer drops it ("fully masked"). When every row went, training crashed after the weights had
+# loaded and left a half run folder that runs/latest pointed at; data loading now stops first, saying how long the
+# rows are and what max_length would keep them.
+
+def row_dropped(prompt_tokens: int, max_length: int, completion_only_loss: bool) -> bool:
+    """Loss on answers only, and the answer starts at or after max_length. (Text rows count no prompt: never.)"""
+    return completion_only_loss and prompt_tokens >= max_length
+
+
+def length_warning(prompt_tokens: int, total: int, max_length: int, completion_only_loss: bool):
+    """(problem, fix) for a row longer than max_length, else None."""
+    if total <= max_length:
+        return None
+    if row_dropped(prompt_tokens, max_length, completion_only_loss):
+        return (f"{total} tokens; the prompt alone ({prompt_tokens}) fills max_length {max_length}, so the whole "
+                "answer is cut and the row is dropped", f"raise max_length to {total} or shorten the prompt")
+    cut = total - max_length
+    return (f"{total} tokens, {cut} over max_length {max_length}: the last {cut} tokens would be cut",
+            f"raise max_length to {total} or shorten the row")
+
+
+def all_dropped_problem(source: str, lengths: list[tuple[int, int]], max_length: int,
+                        completion_only_loss: bool) -> str | None:
+    """The message when every row (`lengths`: (prompt, total) tokens of each) would be dropped, else None."""
+    if not lengths or not all(row_dropped(prompt, max_length, completion_only_loss) for prompt, _ in lengths):
+        return None
+    longest = max(total for _, total in lengths)
+    return (f"{source}: all {len(lengths)} rows would be dropped: each prompt alone fills max_length {max_length} "
+            f"(the longest row has {longest} tokens), so no answer token is left to learn from. Raise max_length to "
+            f"{longest} (it must stay within the model's positions), or shorten the prompts")
+
+
 def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=None,
                 max_length: int | None = None) -> DataReport:
     """Check every line of a JSONL dataset. Never raises for bad content: problems go into the report."""
@@ -274,7 +352,7 @@ def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=N
 def hub_rows(source: str, cfg: RunConfig) -> list[dict]:
     """A Hub dataset's rows ("name" or "name:split"). A name that looks like a local path never goes to the Hub, and
     a Hub that cannot give it (offline, no such dataset or split) is one line, not a traceback."""
-    from nb_helpers.safety.hub import offline, offline_reason
+    from nb_helpers.hub import offline, offline_reason
 
     knob = next((k for k in ("train_file", "eval_file") if getattr(cfg, k) == source), "file")
     missing = missing_path_problem(knob, source, cfg.resolve_path, "file")

@@ -16,6 +16,8 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from nb_helpers.config import ConfigError
+
 
 def world_size() -> int:
     """Processes in this run, as the launcher (accelerate launch, torchrun) says; 1 without one."""
@@ -60,13 +62,21 @@ def init() -> None:
     from accelerate import PartialState
 
     if torch.cuda.is_available():
-        from nb_helpers.safety.processes import check_one_gpu_each
         check_one_gpu_each(world_size(), torch.cuda.device_count())
         chosen = lean_nccl()  # before the first collective: NCCL reads them when it creates its communicator
         if chosen and is_main():
             print(f"[multi] NCCL kept small for a small card: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                   "(set it yourself to override)", flush=True)
     PartialState(cpu=not torch.cuda.is_available())  # the same cpu flag SFTConfig's use_cpu gives the Trainer
+
+
+def check_one_gpu_each(processes: int, gpus: int) -> None:
+    """Each process trains on a GPU of its own: two on one GPU stop NCCL at its first collective ("Duplicate GPU
+    detected"), after the model has loaded. Said before anything loads, with the fixes."""
+    if processes > gpus:
+        raise ConfigError(f"{processes} processes need {processes} GPUs, and this machine shows {gpus}: launch with "
+                          f"--num_processes {gpus} (or train in one process without `accelerate launch`), or hide "
+                          "the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU through gloo")
 
 
 def _group_ready() -> bool:
@@ -203,8 +213,6 @@ def split_over_processes(cfg, world: int, verbose: bool = True):
     try:
         micro, accum = per_process_batch(cfg.micro_batch_size, cfg.grad_accum, world)
     except ValueError as e:
-        from nb_helpers.config import ConfigError
-
         raise ConfigError(str(e)) from None
     if verbose:
         print(describe_split(cfg.micro_batch_size, cfg.grad_accum, world))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nb_helpers.config import PROJECT_ROOT, default_config
 from nb_helpers.plan.dtypes import compute_dtype_for, cpu_report, cuda_capability, dtype_reason
-from nb_helpers.safety.hub import hub_answers
+from nb_helpers.hub import hub_answers
 
 
 @dataclass
@@ -48,7 +48,7 @@ class EnvReport:
 @functools.lru_cache(maxsize=1)
 def hub_reachable(timeout: float = 3.0) -> bool:
     """True when the Hugging Face Hub answers. Honours HF_HUB_OFFLINE=1 (set by nb_helpers itself when the Hub did
-    not answer at import: safety/hub.py) without touching the network."""
+    not answer at import: hub.py) without touching the network."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}:
         return False
     return hub_answers(timeout)

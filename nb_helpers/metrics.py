@@ -1,5 +1,9 @@
 """Per-step metrics: one JSON line per optimizer step, flushed as it is written, so a crash loses nothing.
 Each line carries the step's memory as nb_helpers.plan.memory measures it (PyTorch's allocator and NVML's device used).
+
+Lines that are not records (the last line cut short by a kill during its write, or any line garbled by hand or by two
+runs writing at once) never block reading: reading skips each with one line naming FILE:LINE, and a resume moves them
+to metrics.unreadable.txt (kept as they were, not lost) so that the file it appends to is clean again.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from nb_helpers.frontend import say_once
 from nb_helpers.plan.memory import memory_snapshot
-from nb_helpers.safety.metrics_lines import note_skipped, parse_metrics
+
+UNREADABLE = "metrics.unreadable.txt"
 
 
 def _sync() -> None:
@@ -103,6 +109,48 @@ class MetricsCallback(TrainerCallback):
         if getattr(self, "_file", None) is not None:
             self._file.close()
             self._file = None
+
+
+def parse_metrics(path: Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """The records of a metrics.jsonl, and the (line number, text) of each line that is not one."""
+    if not path.exists():
+        return [], []
+    records, bad = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            bad.append((number, line))
+    return records, bad
+
+
+def unreadable_reason(number: int, path: Path, line_count: int) -> str:
+    if number == line_count:
+        return "the last line, cut short (the run was stopped while writing it)"
+    return "not a metrics record (edited by hand, or written by two runs at once)"
+
+
+def note_skipped(path: Path, bad: list[tuple[int, str]]) -> None:
+    count = len(path.read_text(encoding="utf-8", errors="replace").splitlines()) if bad else 0
+    for number, _ in bad:
+        say_once(f"metrics line {path}:{number}",
+                 f"[metrics] {path}:{number}: skipped, {unreadable_reason(number, path, count)}")
+
+
+def set_aside(run_dir: Path, path: Path, bad: list[tuple[int, str]]) -> None:
+    """Append the bad lines to metrics.unreadable.txt as they were, each after its FILE:LINE, and say so."""
+    if not bad:
+        return
+    with open(Path(run_dir) / UNREADABLE, "a", encoding="utf-8") as f:
+        f.writelines(f"{path.name}:{number}: {line}\n" for number, line in bad)
+    lines = ", ".join(str(number) for number, _ in bad)
+    print(f"[resume] {path.name}: line(s) {lines} were not metrics records (a write cut short); moved to {UNREADABLE}")
 
 
 def read_metrics(path: str | Path) -> list[dict]:

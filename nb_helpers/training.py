@@ -34,13 +34,11 @@ from nb_helpers.lora import attach_lora, parameter_counts
 from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
 from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_model
-from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_good_adapter, split_metrics_at,
-                                 stop_after_oom)
-from nb_helpers.runs import mark_latest, new_run_dir, read_json, resolve_run, write_jsonl
-from nb_helpers.safety.before_training import keep_before_training, restore_before_training
+from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_before_training, keep_good_adapter,
+                                 restore_before_training, split_metrics_at, stop_after_oom)
+from nb_helpers.runs import check_run_name, mark_latest, new_run_dir, read_json, resolve_run, write_jsonl
 from nb_helpers.safety.checkpoints import checkpoint_to_resume, staged_checkpoints
 from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
-from nb_helpers.safety.run_names import check_run_name
 from nb_helpers.safety.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
 from nb_helpers.safety.write_errors import check_writable, stop_cleanly
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, package_versions, print_summary, write_summary

@@ -73,7 +73,7 @@ def test_offline_is_decided_at_the_first_import_before_the_hub_library_reads_it(
 def test_offline_also_reaches_a_hub_library_imported_first_and_a_users_choice_stands(monkeypatch):
     from huggingface_hub import constants
 
-    from nb_helpers.safety import hub
+    from nb_helpers import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -109,7 +109,7 @@ def test_a_mistyped_data_path_is_not_looked_up_on_the_hub(cli, tiny_model_dir, m
 def test_a_hub_dataset_while_offline_is_one_line(monkeypatch):
     import datasets
 
-    from nb_helpers.safety import hub
+    from nb_helpers import hub
 
     def offline_hub(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'someorg/somedata' on the Hub (LocalEntryNotFoundError)")

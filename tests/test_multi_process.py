@@ -122,13 +122,11 @@ def test_more_processes_than_gpus_are_refused_before_anything_loads(monkeypatch)
     a run does, raises a settings error naming both fixes (the command line prints it without a traceback)."""
     import torch
 
-    from nb_helpers.safety import processes
-
     with pytest.raises(ConfigError) as e:
-        processes.check_one_gpu_each(2, 1)
+        distributed.check_one_gpu_each(2, 1)
     assert "2 processes need 2 GPUs" in str(e.value) and "shows 1" in str(e.value)
     assert "--num_processes 1" in str(e.value) and "CUDA_VISIBLE_DEVICES=" in str(e.value)
-    processes.check_one_gpu_each(2, 2)  # one each: nothing to say
+    distributed.check_one_gpu_each(2, 2)  # one each: nothing to say
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -97,7 +97,7 @@ def mark_save_failed(run) -> None:
     try:
         run.metrics.close()
     except OSError:
-        pass  # its last line may be torn; a resume moves it aside (nb_helpers.safety.metrics_lines)
+        pass  # its last line may be torn; a resume moves it aside (nb_helpers.metrics)
     if not distributed.is_main():
         return
     discard_staged(run.run_dir / "checkpoints")
