@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from nb_helpers.config import ConfigError, RunConfig
+from nb_helpers.config import PROJECT_ROOT, ConfigError, RunConfig
 
 
 class Killed(Exception):
@@ -45,6 +45,17 @@ def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+def hold_run_lock(run_dir):
+    """Another process that takes the run's lock, as a run opening its folder does, and keeps it until it is killed."""
+    code = ("import sys, time\nfrom nb_helpers.safety.run_lock import take_run_lock\ntake_run_lock(sys.argv[1])\n"
+            "print('held', flush=True)\ntime.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
+                              text=True)
+    if not any(line.strip() == "held" for line in holder.stdout):
+        raise AssertionError(f"the holder ended without taking the lock (exit {holder.wait()})")
+    return holder
 
 
 @pytest.fixture(scope="module")
@@ -228,10 +239,8 @@ def test_a_second_process_on_a_run_is_refused_with_who_holds_it(killed_run, tmp_
     from nb_helpers import training
 
     run_dir = copy_run(killed_run, tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = hold_run_lock(run_dir)
     try:
-        (run_dir / "run.lock").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
-                                                      "since": "2026-01-01 10:00:00"}))
         monkeypatch.setattr(training, "load_4bit", lambda *a, **k: pytest.fail("the model loaded on a locked run"))
         result = cli("train", "--resume", run_dir)
     finally:
@@ -258,6 +267,43 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
         take_run_lock(tmp_path)  # the same process again (a notebook re-running a cell): still its own
         release_run_lock(tmp_path)
         assert not lock.exists()
+
+
+def test_a_lock_whose_process_was_killed_does_not_block(tmp_path, capsys):
+    """kill -9 of the process that holds a run: the OS lets go of its lock with it, run.lock stays behind naming it,
+    and the next run takes the lock over and says whose it was."""
+    from nb_helpers.safety.run_lock import RunLocked, release_run_lock, take_run_lock
+
+    holder = hold_run_lock(tmp_path)
+    try:
+        with pytest.raises(RunLocked, match=f"is being trained by process {holder.pid} "):
+            take_run_lock(tmp_path)
+    finally:
+        holder.kill()  # SIGKILL: no atexit, no release
+        holder.wait()
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == holder.pid  # left behind, as kill -9 leaves it
+    take_run_lock(tmp_path)
+    out = capsys.readouterr().out
+    assert f"process {holder.pid} on {socket.gethostname()}" in out and "taking over its stale lock" in out
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    release_run_lock(tmp_path)
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_lock_file_naming_a_live_process_that_does_not_hold_it_does_not_block(tmp_path, capsys):
+    """The OS lock decides, not the PID in the file: a dead holder's PID reused by an unrelated program (here: a
+    process that never took the lock) does not keep the run locked."""
+    from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
+
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "run.lock").write_text(json.dumps({"pid": unrelated.pid, "host": socket.gethostname()}))
+        take_run_lock(tmp_path)
+    finally:
+        unrelated.kill()
+        unrelated.wait()
+    assert "taking over its stale lock" in capsys.readouterr().out
+    release_run_lock(tmp_path)
 
 
 # --- 7. SIGTERM is handled like Ctrl-C --------------------------------------------------------------------------

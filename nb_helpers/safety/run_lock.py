@@ -1,10 +1,11 @@
 """One process per run folder. Two `train --resume` of the same run at once both trained, and metrics.jsonl held
-the same steps twice. A run that opens (new or resumed) takes runs/<name>/run.lock, created with O_CREAT | O_EXCL (an
-atomic create on every OS, Windows included, unlike fcntl) and holding its PID and host; it is released when the run
-finishes, or at the latest when the process exits. A lock whose process is gone (kill -9, a crash, a reboot) is
-stale: the next run takes it over and says so. One taken on another host (a shared folder) cannot be checked from
-here: it is refused, with the file to delete if nothing trains there. Only rank 0 of a multi-process run takes
-it (the other processes write nothing to the folder)."""
+the same steps twice. A run that opens (new or resumed) takes runs/<name>/run.lock, an operating-system lock (the
+filelock library: flock, LockFileEx on Windows) that the OS lets go of when the process ends, however it ends: a lock
+whose process is gone (kill -9, a crash, a reboot) is stale and never blocks; the next run takes it over and says so.
+The file holds the holder's PID and host, for the message a second process gets; it is released and removed when the
+run finishes, or at the latest when the process exits. One whose file names another host (a shared folder, where not
+every file system shares locks between machines) is refused, with the file to delete if nothing trains there. Only
+rank 0 of a multi-process run takes it (the other processes write nothing to the folder)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from nb_helpers import distributed
 from nb_helpers.config import ConfigError
 
 LOCK = "run.lock"
-FRESH_S = 5  # an empty lock younger than this is being written by its taker, not left by a kill
+_held: dict[Path, object] = {}  # lock file -> the FileLock this process holds on it
 
 
 class RunLocked(ConfigError):
@@ -28,40 +29,68 @@ class RunLocked(ConfigError):
 
 def take_run_lock(run_dir: Path) -> None:
     """Hold `run_dir` for this process, or raise RunLocked naming the process that holds it."""
+    from filelock import FileLock, Timeout
+
     if not distributed.is_main():
         return
     path = Path(run_dir) / LOCK
-    for _ in range(2):  # the second try follows a stale lock's removal
-        try:
-            handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = read_holder(path)
-            if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-                return  # this process already holds it (a notebook re-running its cells)
-            refuse_if_alive(path, holder)
-            print(f"[run] {path}: {describe(holder)} no longer runs; taking over its stale lock")
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")},
-                      f)
-        atexit.register(release_run_lock, run_dir)
-        return
-    raise RunLocked(f"{path}: another process took this run's lock just now; wait for it to finish")
+    if path.absolute() in _held:
+        return  # this process already holds it (a notebook re-running its cells)
+    # thread_local=False: held by the process, whichever thread releases it (atexit, a notebook's other cell)
+    lock = FileLock(path, thread_local=False, on_acquired=lambda handle: claim(path, handle))
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        raise RunLocked(held_message(path, read_holder(path))) from None
+    _held[path.absolute()] = lock
+    atexit.register(release_run_lock, run_dir)
+
+
+def claim(path: Path, handle: int) -> None:
+    """Run by filelock once this process holds the OS lock, before anything else can: the file's old content is a
+    stale holder's (say so; said of this very process only by a copied run folder) or another host's (refuse: its
+    lock may not reach this machine); then write ours."""
+    os.lseek(handle, 0, os.SEEK_SET)
+    old = os.read(handle, 4096)
+    holder = parse_holder(old)
+    if isinstance(holder.get("pid"), int) and holder.get("host") != socket.gethostname():
+        raise RunLocked(other_host_message(path, holder))
+    if old.strip() and (holder.get("pid"), holder.get("host")) != (os.getpid(), socket.gethostname()):
+        print(f"[run] {path}: {describe(holder)} no longer runs; taking over its stale lock")
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(handle, 0)
+    os.lseek(handle, 0, os.SEEK_SET)
+    # after a newline: Windows locks the file's first byte, which another process then cannot read (read_holder)
+    os.write(handle, b"\n" + json.dumps(mine).encode("utf-8"))
 
 
 def release_run_lock(run_dir: Path) -> None:
-    """Remove the lock if this process holds it (never another process's)."""
+    """Remove the lock file and let go of the lock, if this process holds it (never another process's)."""
     path = Path(run_dir) / LOCK
-    if read_holder(path).get("pid") == os.getpid():
-        path.unlink(missing_ok=True)
+    lock = _held.pop(path.absolute(), None)
+    if lock is None:
+        return
+    path.unlink(missing_ok=True)  # before letting go: whoever takes the lock next makes a new file
+    lock.release()
 
 
 def read_holder(path: Path) -> dict:
     try:
-        holder = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # missing, or cut short by a kill during its own write: nobody to wait for
+        with open(path, "rb") as f:
+            try:
+                return parse_holder(f.read())
+            except OSError:  # Windows: the holder locks the first byte, a newline; its record follows
+                f.seek(1)
+                return parse_holder(f.read())
+    except OSError:
+        return {}  # removed meanwhile: nobody to name
+
+
+def parse_holder(raw: bytes) -> dict:
+    try:
+        holder = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        return {}  # empty, or cut short by a kill during its own write
     return holder if isinstance(holder, dict) else {}
 
 
@@ -71,44 +100,18 @@ def describe(holder: dict) -> str:
     return f"process {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
 
 
-def refuse_if_alive(path: Path, holder: dict) -> None:
-    if not holder and age_s(path) < FRESH_S:
-        raise RunLocked(f"{path}: another process is taking this run's lock right now; wait for it to finish")
+def other_host_message(path: Path, holder: dict) -> str:
+    return (f"{path.parent} is held by {describe(holder)}, another machine, which this one cannot check. If no "
+            f"training runs there, delete {path} and start again")
+
+
+def held_message(path: Path, holder: dict) -> str:
+    """What a second process hears while the lock is held."""
     if not isinstance(holder.get("pid"), int):
-        return  # unreadable: nobody to wait for
-    if holder.get("host") != socket.gethostname():  # a shared folder: that host may be training it now
-        raise RunLocked(f"{path.parent} is held by {describe(holder)}, another machine, which this one cannot "
-                        f"check. If no training runs there, delete {path} and start again")
-    if pid_alive(holder["pid"]):
-        raise RunLocked(f"{path.parent} is being trained by {describe(holder)}: two processes would write the same "
-                        f"metrics.jsonl and checkpoints. Wait for it to finish, or stop it (Ctrl-C, or `kill "
-                        f"{holder['pid']}`) and resume then. If no training runs there (a notebook kernel that "
-                        f"stopped on an error still holds it: restart that kernel), delete {path}")
-
-
-def age_s(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return float("inf")  # removed meanwhile: nobody to wait for
-
-
-def pid_alive(pid: int) -> bool:
-    if os.name == "nt":  # os.kill(pid, 0) would terminate the process on Windows
-        import ctypes
-
-        kernel32 = ctypes.windll.kernel32
-        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-        if not handle:
-            return kernel32.GetLastError() == 5  # access denied: it exists, as another user's
-        code = ctypes.c_ulong()
-        kernel32.GetExitCodeProcess(handle, ctypes.byref(code))
-        kernel32.CloseHandle(handle)
-        return code.value == 259  # STILL_ACTIVE
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
+        return f"{path}: another process is taking this run's lock right now; wait for it to finish"
+    if holder.get("host") != socket.gethostname():
+        return other_host_message(path, holder)
+    return (f"{path.parent} is being trained by {describe(holder)}: two processes would write the same metrics.jsonl "
+            f"and checkpoints. Wait for it to finish, or stop it (Ctrl-C, or `kill {holder['pid']}`) and resume "
+            f"then. If no training runs there (a notebook kernel that stopped on an error still holds it: restart that "
+            f"kernel), delete {path}")
