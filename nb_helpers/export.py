@@ -44,7 +44,7 @@ def merge_adapter(run_dir: str | Path, out_dir: str | Path | None = None):
     from nb_helpers.config import RunConfig
     from nb_helpers.models import load_tokenizer, resolve_model
     from nb_helpers.runs import load_run
-    from nb_helpers.safety.adapter_check import check_run_adapter
+    from nb_helpers.faults.adapter_check import check_run_adapter
 
     run = load_run(run_dir)
     choice = resolve_model(RunConfig.from_dict(run.config), verbose=False)

@@ -13,8 +13,8 @@ from nb_helpers import distributed
 from nb_helpers.frontend import resume_hint
 from nb_helpers.metrics import parse_metrics, set_aside
 from nb_helpers.runs import read_json, write_json, write_jsonl
-from nb_helpers.safety.checkpoints import newest_complete, save_checkpoint_now
-from nb_helpers.safety.write_errors import as_write_failure
+from nb_helpers.faults.checkpoints import newest_complete, save_checkpoint_now
+from nb_helpers.faults.write_errors import as_write_failure
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, write_summary
 
 BEFORE_TRAINING = "before_training.json"

@@ -11,7 +11,7 @@ train(cfg) composes the same steps for `python -m nb_helpers train`, the tests a
     finish_run(run, trainer)               # NaN restore, adapter/, second eval, summary.json, training.png
 
 The run folder ends with config.json, before_training.json, metrics.jsonl, checkpoints/, adapter/, predictions.jsonl,
-training.png and summary.json; run.lock keeps a second process out while one trains it (nb_helpers.safety).
+training.png and summary.json; run.lock keeps a second process out while one trains it (nb_helpers.faults).
 
 Under `accelerate launch` (several processes, nb_helpers.distributed) every process runs every step on its own GPU;
 rank 0 alone names the run folder and writes into it, and alone scores the task (generation); the others wait.
@@ -37,10 +37,10 @@ from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_mo
 from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_before_training, keep_good_adapter,
                                  restore_before_training, split_metrics_at, stop_after_oom)
 from nb_helpers.runs import check_run_name, mark_latest, new_run_dir, read_json, resolve_run, write_jsonl
-from nb_helpers.safety.checkpoints import checkpoint_to_resume, staged_checkpoints
-from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
-from nb_helpers.safety.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
-from nb_helpers.safety.write_errors import check_writable, stop_cleanly
+from nb_helpers.faults.checkpoints import checkpoint_to_resume, staged_checkpoints
+from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
+from nb_helpers.faults.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
+from nb_helpers.faults.write_errors import check_writable, stop_cleanly
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, package_versions, print_summary, write_summary
 from nb_helpers.task_metric import evaluate_task
 from nb_helpers.trainer_setup import adapt_trainer, progress_printer, sft_config
@@ -285,7 +285,7 @@ def guard_training(run: TrainingRun, trainer):
     """Around trainer.train(): Ctrl-C or SIGTERM writes a checkpoint at the last finished step and says how to
     resume; an out-of-memory error is noted for finish_run, which reports it once the error's traceback (which holds
     the activations) is gone; a failed write (full disk, read-only, permission) marks the summary "save failed" and
-    says what to do. A checkpoint counts only once complete (nb_helpers.safety.checkpoints). Other errors pass."""
+    says what to do. A checkpoint counts only once complete (nb_helpers.faults.checkpoints). Other errors pass."""
     import torch
 
     if run.finished:

@@ -125,7 +125,7 @@ def test_an_adapter_made_for_another_base_is_refused(run_copy, cli, tmp_path, ti
 
 
 def test_a_good_adapter_passes_and_pickled_weights_are_never_read(run_copy, tiny_model_dir):
-    from nb_helpers.safety.adapter_check import AdapterError, check_adapter, linear_layers
+    from nb_helpers.faults.adapter_check import AdapterError, check_adapter, linear_layers
 
     layers = linear_layers(str(tiny_model_dir))
     check_adapter(run_copy / "adapter", layers)  # the shared run's own adapter is fine

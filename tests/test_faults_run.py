@@ -49,7 +49,7 @@ def dead_pid() -> int:
 
 def hold_run_lock(run_dir):
     """Another process that takes the run's lock, as a run opening its folder does, and keeps it until it is killed."""
-    code = ("import sys, time\nfrom nb_helpers.safety.run_lock import take_run_lock\ntake_run_lock(sys.argv[1])\n"
+    code = ("import sys, time\nfrom nb_helpers.faults.run_lock import take_run_lock\ntake_run_lock(sys.argv[1])\n"
             "print('held', flush=True)\ntime.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                               text=True)
@@ -97,7 +97,7 @@ def test_resume_skips_checkpoints_cut_short_and_moves_a_torn_metrics_line(killed
     assert "resuming" in out and "from checkpoint-2" in out
     assert sorted(p.name for p in (folder / "incomplete").iterdir()) == ["checkpoint-3", "checkpoint-4"]
     assert summary_of(resumed)["status"] == "completed"
-    from nb_helpers.safety.checkpoints import checkpoint_problem
+    from nb_helpers.faults.checkpoints import checkpoint_problem
 
     assert checkpoint_problem(folder / "checkpoint-3") is None  # written again, whole
     assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl") if "loss" in r] == [1, 2, 3]
@@ -145,7 +145,7 @@ def test_checkpoints_are_published_whole_and_a_failed_save_leaves_nothing(tiny_c
     (PermissionError(errno.EACCES, "Permission denied"), "permission was denied"),
 ])
 def test_write_failures_are_told_apart_by_errno_or_message(error, cause, tmp_path):
-    from nb_helpers.safety.write_errors import WriteFailed, as_write_failure, write_cause
+    from nb_helpers.faults.write_errors import WriteFailed, as_write_failure, write_cause
 
     assert cause in write_cause(error)[0]
     try:
@@ -253,7 +253,7 @@ def test_a_second_process_on_a_run_is_refused_with_who_holds_it(killed_run, tmp_
 
 
 def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
-    from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
+    from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
 
     lock = tmp_path / "run.lock"
     lock.write_text(json.dumps({"pid": 1, "host": "another-machine"}))  # a shared folder: not checkable, refused
@@ -272,7 +272,7 @@ def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, capsys):
 def test_a_lock_whose_process_was_killed_does_not_block(tmp_path, capsys):
     """kill -9 of the process that holds a run: the OS lets go of its lock with it, run.lock stays behind naming it,
     and the next run takes the lock over and says whose it was."""
-    from nb_helpers.safety.run_lock import RunLocked, release_run_lock, take_run_lock
+    from nb_helpers.faults.run_lock import RunLocked, release_run_lock, take_run_lock
 
     holder = hold_run_lock(tmp_path)
     try:
@@ -293,7 +293,7 @@ def test_a_lock_whose_process_was_killed_does_not_block(tmp_path, capsys):
 def test_a_lock_file_naming_a_live_process_that_does_not_hold_it_does_not_block(tmp_path, capsys):
     """The OS lock decides, not the PID in the file: a dead holder's PID reused by an unrelated program (here: a
     process that never took the lock) does not keep the run locked."""
-    from nb_helpers.safety.run_lock import release_run_lock, take_run_lock
+    from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
 
     unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -341,7 +341,7 @@ def test_sigterm_is_not_handled_off_the_main_thread():
     """signal.signal raises outside the main thread: training from a thread of the user's keeps the default."""
     import threading
 
-    from nb_helpers.safety.signals import sigterm_as_interrupt
+    from nb_helpers.faults.signals import sigterm_as_interrupt
 
     before, errors = signal.getsignal(signal.SIGTERM), []
 
@@ -403,7 +403,7 @@ def test_a_corrupt_metrics_line_is_skipped_with_its_file_and_line(tmp_path, caps
 def test_a_checkpoint_the_check_does_not_recognise_is_kept_and_training_goes_on(tmp_path, capsys):
     """Right after the Trainer saved it, a checkpoint that fails the check means the check is out of date (a new
     transformers layout), not a cut-short save: one line, the checkpoint published, training not stopped."""
-    from nb_helpers.safety.checkpoints import STAGING, publish
+    from nb_helpers.faults.checkpoints import STAGING, publish
 
     staged = tmp_path / "checkpoints" / STAGING / "checkpoint-3"
     staged.mkdir(parents=True)

@@ -55,7 +55,7 @@ def write_cause(error: BaseException) -> tuple[str, str] | None:
 
 def advice(run_dir: Path, error: BaseException, what: str) -> str:
     """What failed, why, what is still safe, and how to go on: resume from the last complete checkpoint."""
-    from nb_helpers.safety.checkpoints import newest_complete
+    from nb_helpers.faults.checkpoints import newest_complete
 
     cause, fix = write_cause(error) or UNKNOWN
     last = newest_complete(Path(run_dir) / "checkpoints")[0]
@@ -91,7 +91,7 @@ def stop_cleanly(run, what: str):
 
 def mark_save_failed(run) -> None:
     from nb_helpers import distributed
-    from nb_helpers.safety.checkpoints import discard_staged
+    from nb_helpers.faults.checkpoints import discard_staged
     from nb_helpers.summary import write_summary
 
     try:

@@ -39,7 +39,7 @@ def check_run_adapter(run_dir: str | Path, base: str) -> None:
 
 def recovery(run_dir: Path, base_layers: dict, base: str) -> str:
     """The fix for a run whose adapter/ is bad: copy a good checkpoint's adapter files over it, or retrain."""
-    from nb_helpers.safety.checkpoints import PREFIX, checkpoint_folders
+    from nb_helpers.faults.checkpoints import PREFIX, checkpoint_folders
 
     checkpoints = checkpoint_folders(run_dir / "checkpoints")
     for checkpoint in checkpoints:

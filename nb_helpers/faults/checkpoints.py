@@ -104,7 +104,7 @@ def publish(folder: Path, step: int, keep: int | None) -> Path:
         if problem:  # the Trainer finished this save: the check, not the checkpoint, is out of date. Train on
             say_once("checkpoint layout", f"[checkpoint] {source.name} fails the completeness check right after the Trainer saved it "
                      f"({problem}): transformers may have changed what a checkpoint holds; kept, but a resume will "
-                     "skip it (nb_helpers/safety/checkpoints.py)")
+                     "skip it (nb_helpers/faults/checkpoints.py)")
         if source == staged:
             replace_folder(staged, final)
         rotate_checkpoints(output_dir=str(folder), save_total_limit=keep)
