@@ -151,8 +151,7 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
     assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
-    fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False,
-                                       nf4_in_graphs=False), cfg)
+    fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False), cfg)
     assert calls == [(True, False)] and model._nb_levers["fused_block"] is True
     assert model._nb_levers["frozen_norms"] is False
     assert model._nb_levers["qkv_once"] is model._nb_levers["dropout_kernels"]  # only with the dropout kernels

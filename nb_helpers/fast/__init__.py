@@ -8,7 +8,7 @@ The course reaches it through this module alone, in four calls:
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
-                                          #   fast.fused_lora, fast.nf4, fast.fused_block, fast.frozen_norms, fast.qkv,
+                                          #   fast.fused_lora, fast.fused_block, fast.frozen_norms, fast.qkv,
                                           #   fast.saved_attention, fast.checkpoints, fast.offload, fast.graphed_layers)
     adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
@@ -75,10 +75,6 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
-        if fast.nf4_in_graphs and fast.direct_dequant and model._nb_levers.get("fused_lora"):
-            from nb_helpers.fast.fused_lora import mark_nf4
-
-            record(model, "nf4_in_graphs", mark_nf4(model) > 0)
         if fast.keep_dequantized:
             record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
@@ -168,11 +164,10 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
     ran["qkv_once"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("qkv_once"))
     ran["saved_attention"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("saved_attention")
                                   and ran["offload"] and not ran["graphs"] and ran["down_once"])
-    ran["nf4_in_graphs"] = bool(ran["graphs"] and getattr(model, "_nb_levers", {}).get("nf4_in_graphs"))
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
         for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once", "frozen_norms", "nf4_in_graphs", "qkv_once",
+                      "down_once", "frozen_norms", "qkv_once",
                       "saved_attention"):
             ran[lever] = False
     if expandable is not None:

@@ -28,7 +28,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import lora_dropout, nf4, recompute
+from nb_helpers.fast import lora_dropout, recompute
 from nb_helpers.fast.options import DECODED_ABSMAX
 from nb_helpers.frontend import say_once
 
@@ -51,8 +51,6 @@ def _dequantize(weight, direct: bool = False):
         absmax = getattr(state, DECODED_ABSMAX, None)
         if absmax is None or absmax.device != data.device:  # none kept, or the weight moved since
             absmax = _decoded_absmax(state, absmax_kernel, stream)
-    if nf4.in_capture(state, absmax):  # lever nf4_in_graphs: the same bits, launched by the graph's replay
-        return nf4.dequantize(data, absmax, state)
     out = torch.empty(state.shape, dtype=state.dtype, device=data.device)
     weight_kernels[state.dtype, state.quant_type](None, data.data_ptr(), absmax.data_ptr(), out.data_ptr(),
                                                   state.blocksize, out.numel(), stream)
@@ -90,14 +88,6 @@ def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
         with torch.cuda.device(state.absmax.device):
             setattr(state, DECODED_ABSMAX, _decoded_absmax(state, kernels[0], kernels[2](state.absmax.device.index)))
     return len(states)
-
-
-def mark_nf4(model) -> int:
-    """Lever nf4_in_graphs: mark the weights fast.nf4's kernel may dequantize inside CUDA graphs; how many."""
-    import bitsandbytes as bnb
-
-    return nf4.mark([m.weight.quant_state for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
-                     and getattr(m.weight, "quant_state", None) is not None])
 
 
 def _double_quantized_on_gpu(model) -> list:

@@ -52,8 +52,6 @@ class FastOptions:
     #                              before every micro-batch (fast.host_step); CUDA
     frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
-    nf4_in_graphs: bool = True  # inside CUDA graphs, NF4 weights dequantized by one Triton kernel with bitsandbytes'
-    #                             bits (fast.nf4): replays launch it for free; CUDA, fused_lora, direct_dequant, graphs
     keep_dequantized: bool = True  # a checkpointed layer's recompute keeps the weights it dequantizes for its own
     #                                backward, which follows at once (fast.recompute.keeps_weights), where the plan
     #                                holds them without losing a fit or an unrecomputed layer (plan.planner.keep_fitted);
@@ -181,11 +179,6 @@ LEVERS = {
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
                      "12.76 against 13.05 at 8 x 512 (steps the same) (call 63)"),
-    "nf4_in_graphs": ("inside CUDA graphs, NF4 weights dequantized by one Triton kernel (bitsandbytes' bits); eager "
-                      "steps keep bitsandbytes' kernel, whose launch costs the host less", "GPU compute 12.61 against "
-                      "12.76 us/token at 8 x 512 (dequantize 2.79 against 3.75 ms a step); steps 0.065 and 0.064 "
-                      "against 0.066 and 0.068 s in two order-swapped pairs, 0.068 against 0.066 in a third (calls "
-                      "65-66)"),
     "keep_dequantized": ("the recompute's dequantized weights kept for the layer's backward, not dequantized "
                          "again, where the plan holds them without losing a fit or an unrecomputed layer",
                          "GPU compute 12.00 against 12.21 us/token at 8 x 512, for 0.08 GiB (call 69); at 8 x 2048 "
