@@ -16,6 +16,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from nb_helpers import compat
 from nb_helpers.config import ConfigError
 
 
@@ -202,7 +203,7 @@ def one_gpu_per_process(args) -> bool:
         return False
     print(f"[gpus] this process sees {args.n_gpu} GPUs and trains on cuda:0; to train on all of them: "
           "accelerate launch --multi_gpu --num_processes N -m nb_helpers train ...", flush=True)
-    args._n_gpu = 1  # what TrainingArguments itself sets for a model split over devices
+    compat.set_gpu_count(args, 1)  # what TrainingArguments itself sets for a model split over devices
     return True
 
 

@@ -54,8 +54,8 @@ def test_importing_compat_imports_no_library_and_no_other_module_of_ours():
             "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('nb_helpers', 'torch', "
             "'transformers', 'peft', 'bitsandbytes', 'trl', 'liger_kernel', 'gguf', 'accelerate', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert ast.literal_eval(out.stdout.strip()) == ["nb_helpers.compat", "nb_helpers.compat.adapter_keys",
-                                                    "nb_helpers.compat.probes", "nb_helpers.frontend"]
+    own = {"nb_helpers.compat", "nb_helpers.compat.adapter_keys", "nb_helpers.compat.probes"}
+    assert own <= set(ast.literal_eval(out.stdout.strip())) <= own | {"nb_helpers.frontend"}, out.stdout
 
 
 def test_compat_is_the_bottom_layer():

@@ -301,6 +301,31 @@ def set_trainer_device(trainer, device) -> None:
     trainer.args.__dict__["_setup_devices"] = device
 
 
+def set_gpu_count(args, count: int) -> None:
+    """TrainingArguments.n_gpu reads _n_gpu: what the Trainer wraps the model over (1: no nn.DataParallel)."""
+    args._n_gpu = count
+
+
+def save_checkpoint(trainer) -> None:
+    """The Trainer's own checkpoint save (model, optimizer, scheduler, RNG, trainer state) at its current step."""
+    trainer._save_checkpoint(trainer.model, None)
+
+
+def has_primary_context(index: int) -> bool | None:
+    """Whether this process created its CUDA context on `index`; None where torch's build has no such binding."""
+    import torch
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return None if probe is None else bool(probe(index))
+
+
+def cpu_bf16_units() -> dict[str, bool]:
+    """What torch knows of this CPU's bf16 hardware: AVX-512 BF16, AMX tiles, and whether oneDNN uses bf16."""
+    import torch
+    return {"avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
+            "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())}
+
+
 def checkpointed_layers(model) -> list:
     """The layers transformers checkpoints; each calls its _gradient_checkpointing_func (set_checkpoint_function)."""
     return [m for m in model.modules()

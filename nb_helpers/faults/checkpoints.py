@@ -21,7 +21,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from nb_helpers import distributed
+from nb_helpers import compat, distributed
 from nb_helpers.config import ConfigError
 from nb_helpers.frontend import say_once
 
@@ -162,5 +162,5 @@ def finish_staging(trainer, callback, final: str, folder: Path) -> None:
 
 def save_checkpoint_now(trainer, run_dir: Path) -> Path:
     """A checkpoint at the last finished step (Ctrl-C, SIGTERM), staged and published like the periodic ones."""
-    trainer._save_checkpoint(trainer.model, None)  # nb_helpers.compat checks this private API
+    compat.save_checkpoint(trainer)
     return publish(Path(run_dir) / "checkpoints", trainer.state.global_step, trainer.args.save_total_limit)

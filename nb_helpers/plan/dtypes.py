@@ -7,6 +7,8 @@ laptops and desktops (AVX2 only), because emulated bf16 is several times slower 
 
 from __future__ import annotations
 
+from nb_helpers import compat
+
 
 def cpu_bf16_native() -> bool:
     """True only where bf16 matmuls run in hardware: AVX-512 BF16 or AMX, with torch's oneDNN and ATen kernels
@@ -15,22 +17,18 @@ def cpu_bf16_native() -> bool:
     the ISA limits that reproduce such a CPU: ONEDNN_MAX_CPU_ISA (oneDNN) and ATEN_CPU_CAPABILITY (ATen)."""
     import torch
 
-    has_bf16_units = any(getattr(torch.cpu, probe, lambda: False)()
-                         for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    units = compat.cpu_bf16_units()
     aten_avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    return bool(has_bf16_units and onednn_bf16 and aten_avx512)
+    return bool((units["avx512_bf16"] or units["amx"]) and units["onednn_bf16"] and aten_avx512)
 
 
 def cpu_report() -> dict:
     """What torch sees of this CPU, and the compute dtype that follows (environment check and bench/cpu_bench.py)."""
     import torch
 
-    return {"capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
-            "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
-            "auto_dtype": compute_dtype_for(None)}
+    units = compat.cpu_bf16_units()
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "onednn_bf16": units["onednn_bf16"],
+            "avx512_bf16": units["avx512_bf16"], "amx": units["amx"], "auto_dtype": compute_dtype_for(None)}
 
 
 def compute_dtype_for(capability: tuple[int, int] | None) -> str:

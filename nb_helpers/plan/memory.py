@@ -17,6 +17,8 @@ import os
 import subprocess
 import sys
 
+from nb_helpers import compat
+
 _NVML_BASELINE: float | None = None  # device "used" bytes without this process; set once by record_nvml_baseline
 
 
@@ -45,10 +47,8 @@ def holds_cuda_context(index: int = 0) -> bool:
     enough: importing bitsandbytes initializes CUDA without creating a context (seen with torch 2.11, CUDA 13)."""
     import torch
 
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if probe is None or not torch.cuda.is_available():
-        return torch.cuda.is_initialized()
-    return bool(probe(index))
+    held = compat.has_primary_context(index) if torch.cuda.is_available() else None
+    return torch.cuda.is_initialized() if held is None else held
 
 
 def record_nvml_baseline(index: int = 0) -> None:
