@@ -361,6 +361,12 @@ def test_accessors_on_the_cpu(tmp_path):
     assert args.device.type == "cpu"
     compat.set_trainer_device(types.SimpleNamespace(args=args), torch.device("meta"))
     assert args.device == torch.device("meta")
+    compat.set_gpu_count(args, 3)
+    assert args.n_gpu == 3
+    units = compat.cpu_bf16_units()
+    assert set(units) == {"avx512_bf16", "amx", "onednn_bf16"} and all(type(v) is bool for v in units.values())
+    if not torch.cuda.is_available():
+        assert compat.has_primary_context(0) is None  # the CPU build has no such binding
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1))
