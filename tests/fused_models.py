@@ -27,13 +27,12 @@ def fused_model(tiny_cfg, dtype="float32", kernels=False, targets=None, fused_bl
     return model
 
 
-def use_checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool = False, keep_dequantized: bool = False,
-                    no_recompute: int = 0, down_once: bool = True):
+def use_checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool = False, no_recompute: int = 0,
+                    down_once: bool = True):
     """Reentrant checkpoints through the fast path's checkpoint functions, the recompute's dead product skipped or not,
-    its dequantized weights kept for the backward or not, its forward's LoRA products reused or not, the last
-    `no_recompute` layers not checkpointed."""
+    its forward's LoRA products reused or not, the last `no_recompute` layers not checkpointed."""
     model._nb_fast = FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs,
-                                 keep_dequantized=keep_dequantized, down_once=down_once)
+                                 down_once=down_once)
     model._nb_use_graphs, model._nb_no_recompute = graphs, no_recompute
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     checkpoints.set_checkpoint_offload(model, offload)

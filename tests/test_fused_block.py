@@ -57,30 +57,26 @@ def test_the_fused_block_trains_as_the_stock_layer(tiny_cfg, checkpointing):
     stock = [train_step(model, ids) for _ in range(2)]
     counts = fused_block.install(model, liger=False)
     layers = len(decoder_of(model).layers)
-    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0, "qkv": 0,
+    assert counts == {"layers": layers, "mlps": layers, "norms": 0, "frozen_norms": 0,
                       "saved_attention": 0}  # no liger here
     _same(stock, [train_step(model, ids) for _ in range(2)])
 
 
-def test_the_attention_with_q_k_and_v_as_one_call_trains_as_the_stock_one(tiny_cfg, monkeypatch):
-    """Lever qkv_once installs a copy of Llama's attention forward; where the dropout kernels cannot run (this CPU, fp32)
-    its q, k and v run one call each, through the copy: the stock attention's loss and gradients."""
-    from nb_helpers.fast import qkv
-
+def test_the_attention_copy_trains_as_the_stock_one(tiny_cfg):
+    """Lever saved_attention installs a copy of Llama's attention forward; where it cannot act (this CPU, fp32) the
+    copy hands on to transformers' attention: the stock attention's loss and gradients."""
     ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(4))
     model = _model(tiny_cfg)
     use_checkpoints(model, dead_tail=True)
     stock = [train_step(model, ids) for _ in range(2)]
     layers = decoder_of(model).layers
-    assert fused_block.install(model, liger=False, qkv_once=True)["qkv"] == 0  # no dropout kernels on these layers
-    for layer in layers:
-        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            projection._nb_dropout_kernels = True
-    assert fused_block.install(model, liger=False, qkv_once=True)["qkv"] == len(layers)
-    shared = []
-    monkeypatch.setattr(qkv.LoRA4bitQKV, "apply", lambda *a: shared.append(1))
+    assert fused_block.install(model, liger=False)["saved_attention"] == 0  # the lever off: the stock attention
+    assert not any("forward" in vars(layer.self_attn) for layer in layers)
+    assert fused_block.install(model, liger=False, saved=True)["saved_attention"] == len(layers)
+    assert all("forward" in vars(layer.self_attn) for layer in layers)
+    for layer in layers:  # switched on: off CUDA it still attends as transformers does
+        layer.self_attn._nb_saved_attention = True
     _same(stock, [train_step(model, ids) for _ in range(2)])
-    assert shared == []  # fp32 on a CPU: the kernels do not take it
 
 
 def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
@@ -141,8 +137,8 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     import nb_helpers.fast as fast
 
     calls, kept = [], []
-    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, qkv_once, saved: calls.append(
-        (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "qkv": 2 * qkv_once, "saved_attention": 2 * saved})
+    monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, saved: calls.append(
+        (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "saved_attention": 2 * saved})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
     model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
@@ -154,7 +150,6 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False), cfg)
     assert calls == [(True, False)] and model._nb_levers["fused_block"] is True
     assert model._nb_levers["frozen_norms"] is False
-    assert model._nb_levers["qkv_once"] is model._nb_levers["dropout_kernels"]  # only with the dropout kernels
     assert kept == [(model, 4.0)] and model._nb_levers["absmax_once"] is True
 
 
@@ -163,7 +158,7 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
                                                    (False, False, True), (False, True, True), (True, False, True)])
 def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, graphs, offload, frozen):
     """With liger's kernels: the fused add + RMSNorm and SwiGLU, the dead recompute, CUDA graphs and offload; `frozen`:
-    the norms' backward of lever frozen_norms (fast.frozen_norms), and q, k and v as one function (fast.qkv)."""
+    the norms' backward of lever frozen_norms (fast.frozen_norms)."""
     from nb_helpers.fast import graphed_layers
 
     graphed_layers.reset()
@@ -172,38 +167,16 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     stock = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
-    counts = fused_block.install(model, liger=True, frozen=frozen, qkv_once=frozen)
+    counts = fused_block.install(model, liger=True, frozen=frozen)
     layers = len(decoder_of(model).layers)
     assert counts == {"layers": layers, "mlps": layers, "norms": layers, "frozen_norms": layers * frozen,
-                      "qkv": layers * frozen, "saved_attention": 0}
+                      "saved_attention": 0}
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
     ours = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert all(torch.isfinite(loss) for loss, _ in ours)
     _same(stock, ours, rtol=2e-2, atol=1e-3)
     graphed_layers.reset()
     _stock_forwards(model)
-
-
-def test_the_run_keeps_dequantized_weights_only_under_the_budget_rule(tiny_cfg, capsys, monkeypatch):
-    """after_lora's check (fast._dequantized_weights_fit) reads the model's own config: TinyLlama's layer at 4 GiB is
-    kept, Qwen3-4B's is not and one line says so; the checkpoint switch then leaves it off."""
-    import json
-    from types import SimpleNamespace
-
-    from nb_helpers import fast, frontend
-    from nb_helpers.config import PROJECT_ROOT
-    from nb_helpers.plan.architecture import config_object
-
-    monkeypatch.setattr(frontend, "_SAID", set())
-    def model_of(name):
-        shapes = PROJECT_ROOT / "nb_helpers" / "plan" / "shapes"
-        return SimpleNamespace(config=config_object(json.loads((shapes / f"{name}.json").read_text())))
-
-    cfg = tiny_cfg.replace(budget_gib=4.0)
-    assert fast._dequantized_weights_fit(model_of("tinyllama-1.1b"), cfg)
-    assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
-    assert not fast._dequantized_weights_fit(model_of("qwen3-4b"), cfg)
-    assert capsys.readouterr().out.count("keep_dequantized off") == 1
 
 
 def test_only_offloaded_eager_recomputes_keep_their_attention(tiny_cfg):

@@ -72,14 +72,6 @@ def test_launch_settings_change_the_time_not_the_bits(dtype):
         other_a, other_x = lora_dropout.grads(gd, x, a, seed, p, settings=other)
         assert torch.equal(other_x, grad_x)
         torch.testing.assert_close(other_a, grad_a, rtol=1e-5, atol=1e-5)
-    three = ([gd, gd.flip(0), gd * 2], x, [a, a.flip(1), a], [seed, seed + 1, seed + 2], p)  # q, k and v (fast.qkv)
-    shared_as, shared_x = lora_dropout.shared_grads(*three)
-    for rows, cols, per_sm in ((32, 64, 4), (64, 128, 1)):
-        other_as, other_x = lora_dropout.shared_grads(*three, settings=dict(BT=rows, BK=cols, num_warps=4,
-                                                                            num_stages=3, per_sm=per_sm))
-        assert torch.equal(other_x, shared_x)
-        for ours, theirs in zip(other_as, shared_as, strict=True):  # fp32 sums of other splits
-            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     with pytest.raises(AssertionError):  # the check can fail: another seed draws another mask
         torch.testing.assert_close(lora_dropout.grads(gd, x, a, seed + 1, p)[1], grad_x)
 
@@ -147,69 +139,6 @@ def test_the_fused_layer_with_the_kernels_gives_the_gradients_of_its_mask(dtype,
     torch.manual_seed(9)
     with torch.no_grad():  # a checkpoint's first forward: no autograd Function, the same draws
         assert torch.equal(fused_lora._lora_linear(x, None, None, a, b, s, p, False, False, True)[0], out)
-
-
-def _seeds(device, *values):
-    return [torch.tensor([v], dtype=torch.int32, device=device) for v in values]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_three_layers_on_one_input_get_their_own_grads_and_one_summed_share(dtype):
-    """shared_grads for q, k and v: each layer's grad_A as grads() gives it alone (the same tiles and masks), and x's
-    gradient the sum of the three masked shares, rounded once: no further from float64 than three shares added."""
-    device, p, tokens, features = _device(), 0.05, 1030, 256
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter computes bf16 wrongly")
-    layers = [_inputs(device, dtype, tokens, features, 8, seed=seed) for seed in (0, 1, 2)]
-    x, lora_as, grad_downs, seeds = layers[0][0], [t[1] for t in layers], [t[3] for t in layers], _seeds(device, 7, 8, 9)
-    same = lora_dropout.tiles("backward", tokens, features)  # the one-layer kernel's tiles: the same sums
-    grad_as, grad_x = lora_dropout.shared_grads(grad_downs, x, lora_as, seeds, p, settings=same)
-    alone = [lora_dropout.grads(gd, x, a, seed, p) for gd, a, seed in zip(grad_downs, lora_as, seeds)]
-    for got, (want, _) in zip(grad_as, alone, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    exact = sum((gd.double() @ a.double()) * lora_dropout.drawn_mask(seed, tokens, features, p, device)
-                for gd, a, seed in zip(grad_downs, lora_as, seeds)) * lora_dropout.keep_scale(p)
-    added = (alone[0][1] + alone[1][1] + alone[2][1]).double()  # three rounded shares, added as autograd adds them
-    assert (grad_x.double() - exact).abs().mean() < (added - exact).abs().mean()
-    torch.testing.assert_close(grad_x.double(), exact, rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_q_k_and_v_as_one_function_match_three_fused_layers(dtype, monkeypatch):
-    """fast.qkv's function against three LoRA4bitLinear layers on one input: the same seeds, so the same outputs; the
-    same gradients for each A and B; x's gradient summed once instead of three times."""
-    from nb_helpers.fast import qkv
-
-    device, p, scalings = _device(), 0.1, (2.0, 0.5, 1.0)
-    if device == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter computes bf16 wrongly")
-    monkeypatch.setattr(fused_lora, "_dequantize", lambda weight, direct=False: weight)  # W is given directly
-    x = _inputs(device, dtype, 96, 128, 8)[0].view(2, 48, 128)
-    layers = [(_inputs(device, dtype, outputs, 128, 1, seed=seed)[0] / 8,
-               *_inputs(device, dtype, 96, 128, 8, outputs=outputs, seed=seed)[1:3]) for outputs, seed in
-              ((128, 1), (32, 2), (32, 3))]
-
-    def run(shared: bool):
-        xs = x.clone().requires_grad_()
-        adapters = [t.clone().requires_grad_() for _, a, b in layers for t in (a, b)]
-        torch.manual_seed(9)
-        if shared:
-            outs = qkv.LoRA4bitQKV.apply(xs, tuple((w, None, s) for (w, _, _), s in zip(layers, scalings)), p, False,
-                                         (None,) * 3, *adapters)
-        else:
-            outs = [fused_lora.LoRA4bitLinear.apply(xs, w, None, adapters[2 * i], adapters[2 * i + 1], s, p, False,
-                                                    False, True) for i, ((w, _, _), s) in enumerate(zip(layers, scalings))]
-        sum((o.float() * torch.linspace(-1, 1, o.shape[-1], device=device)).sum() for o in outs).backward()
-        return [o.detach() for o in outs], xs.grad, [t.grad for t in adapters]
-
-    (outs, grad_x, grads), (outs_apart, grad_x_apart, grads_apart) = run(True), run(False)
-    assert all(torch.equal(a, b) for a, b in zip(outs, outs_apart, strict=True))
-    for got, want in zip(grads, grads_apart, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(grad_x.double(), grad_x_apart.double(), rtol=2e-2, atol=2e-2)
-    assert not torch.equal(grads[1], torch.zeros_like(grads[1]))
 
 
 def test_without_cuda_the_fused_layer_falls_back_to_torchs_dropout(monkeypatch):
@@ -289,12 +218,10 @@ def test_the_kernels_compile_for_the_gpus_they_serve(capability, dtype):
         k.down_kernel: ([dtype] * 5 + ["*i32"] + [i32] * 5 + [f32] * 2, dict(R=16, BT=64, BK=128, BN=128,
                                                                           WRITE_OUT=True)),
         k.out_kernel: ([dtype] * 3 + [i32] * 3 + [f32], dict(R=16, BT=64, BN=128)),
+        k.backward_kernel: ([dtype] * 4 + ["*fp32", "*i32"] + [i32] * 4 + [f32, i32], dict(R=16, BT=64, BK=128)),
         k.mask_kernel: (["*i8", "*i32"] + [i32] * 3, dict(BT=32, BK=64)),
     }
-    backward = [dtype] * 4 + ["*fp32", "*i32"] + [i32] * 4 + [f32, i32] + [dtype, dtype, "*i32"] * 2 + [i32]
-    cases = [*signatures.items()] + [(k.backward_kernel, (backward, dict(R=16, BT=64, BK=128, PROJ=layers)))
-                                     for layers in (1, 3)]  # one LoRA layer, or q, k and v reading one input
-    for kernel, (types, constants) in cases:
+    for kernel, (types, constants) in signatures.items():
         names = kernel.arg_names
         signature = {**dict(zip(names, types)), **{c: "constexpr" for c in constants}}
         source = ASTSource(fn=kernel, signature=signature,

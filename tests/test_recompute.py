@@ -55,57 +55,6 @@ def test_the_recompute_skips_the_down_projection_with_the_same_gradients(tiny_cf
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("targets", [None, ["all-linear"]])
-def test_the_backward_reuses_the_recompute_s_dequantized_weights_with_the_same_gradients(tiny_cfg, monkeypatch,
-                                                                                         targets):
-    """Lever keep_dequantized: every 4-bit weight is dequantized once in the forward and once in the recompute, and
-    the backward reuses the recompute's (the dead down projection, never recomputed, is dequantized in the backward);
-    the loss and gradients are bit for bit those of dequantizing again. Frozen and LoRA layers both (all-linear)."""
-    ids = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(2))
-    model = fused_model(tiny_cfg, targets=targets, fused_block=False)
-    use_checkpoints(model, dead_tail=True)
-    runs_off = [train_step(model, ids) for _ in range(2)]  # the first probes the dead product
-    use_checkpoints(model, dead_tail=True, keep_dequantized=True)
-    train_step(model, ids)  # marking again probes again
-    counts = _dequantized(monkeypatch, model)
-    run_on = train_step(model, ids)
-    assert counts and set(counts.values()) == {2}, counts
-    assert sum(name.endswith("down_proj") for name in counts) == len(decoder_of(model).layers)
-    assert torch.equal(runs_off[1][0], run_on[0])
-    for a, b in zip(runs_off[1][1], run_on[1]):
-        assert torch.equal(a, b)
-
-
-def test_the_run_keeps_the_weights_as_its_plan_says(tiny_cfg, monkeypatch):
-    """fast.set_keep_dequantized: the plan's choice (plan.planner.keep_fitted, per auto-fit candidate and for the run)
-    reaches the layers already marked and the run's recorded levers: kept, each weight is dequantized twice a step;
-    not kept, three times (the dead down projection twice either way)."""
-    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(4))
-    model = fused_model(tiny_cfg, fused_block=False)
-    use_checkpoints(model, dead_tail=True, keep_dequantized=True)
-    train_step(model, ids)  # the first recompute probes the dead product
-    counts = _dequantized(monkeypatch, model)
-    checkpoints.set_keep_dequantized(model, False)
-    train_step(model, ids)
-    assert model._nb_levers["keep_dequantized"] is False and max(counts.values()) == 3, counts
-    counts.clear()
-    checkpoints.set_keep_dequantized(model, True)
-    train_step(model, ids)
-    assert model._nb_levers["keep_dequantized"] is True and set(counts.values()) == {2}, counts
-
-
-def test_nothing_is_kept_outside_a_recompute(tiny_cfg, monkeypatch):
-    """Without checkpointing the forward runs with gradients and no recompute: keeping weights there would hold every
-    layer's, so each is dequantized again in the backward (three per weight: none kept)."""
-    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
-    model = fused_model(tiny_cfg, fused_block=False)
-    model._nb_fast = FastOptions(lean=True, fused_lora=True, keep_dequantized=True)
-    counts = _dequantized(monkeypatch, model)
-    train_step(model, ids)
-    assert counts and set(counts.values()) == {2}, counts  # forward and backward: no recompute, so nothing kept
-    assert not recompute.keeps_weights()
-
-
 def test_a_tensor_saved_after_the_last_linear_keeps_its_product(tiny_cfg):
     """Gemma-style: a norm after the MLP saves the down projection's output, so nothing is dead and the gradients are
     still the plain checkpoint's."""
@@ -164,29 +113,6 @@ def test_on_the_gpu_the_skip_keeps_the_gradients_eager_graphed_and_offloaded(tin
         assert torch.isfinite(loss_on) and torch.allclose(loss_off, loss_on, rtol=1e-3), (loss_off, loss_on)
         for a, b in zip(grads_off, grads_on):
             assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=1e-3 * a.abs().max().item())
-    graphed_layers.reset()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphs,offload", [(False, True), (True, False)])
-def test_on_the_gpu_the_kept_weights_give_the_same_steps_eager_and_graphed(tiny_cfg, graphs, offload):
-    """Lever keep_dequantized with the fused MLP block, liger's kernels and bf16: as W512 (graphed) and W2048
-    (offloaded) run it. The backward reads the very bits it would dequantize again."""
-    from nb_helpers.fast import graphed_layers
-
-    graphed_layers.reset()
-    model = fused_model(tiny_cfg, dtype="bfloat16", kernels=True)
-    ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
-    off = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
-    graphed_layers.reset()
-    use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs, keep_dequantized=True)
-    on = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
-    assert all(layer._nb_keep_weights for layer in decoder_of(model).layers)
-    for (loss_off, grads_off), (loss_on, grads_on) in zip(off, on):
-        assert torch.isfinite(loss_on) and torch.allclose(loss_off, loss_on, rtol=1e-4), (loss_off, loss_on)
-        for a, b in zip(grads_off, grads_on):
-            assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-4 * a.abs().max().item())
     graphed_layers.reset()
 
 

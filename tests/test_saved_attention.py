@@ -45,7 +45,7 @@ def test_offloaded_training_skips_the_recompute_s_attention_with_the_same_gradie
     forward in its recompute), and the loss and gradients are those of the same run recomputing it."""
     model = fused_model(tiny_cfg, dtype="bfloat16", kernels=True, fused_block=False)
     ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    counts = fused_block.install(model, liger=True, frozen=True, qkv_once=True, saved=True)
+    counts = fused_block.install(model, liger=True, frozen=True, saved=True)
     layers = len(decoder_of(model).layers)
     assert counts["saved_attention"] == layers
     use_checkpoints(model, dead_tail=True, offload=True, no_recompute=1)

@@ -166,7 +166,7 @@ CHECKS: tuple[Check, ...] = (
     _check(f"{LLAMA}.LlamaDecoderLayer.forward (fast.fused_block runs a copy)", "fused_block", says=(
         "hidden_states = residual + hidden_states", "hidden_states = self.post_attention_layernorm(hidden_states)")),
     _check(f"{LLAMA}.LlamaAttention.forward, config._attn_implementation (fast.fused_block runs a copy)",
-           "qkv_once saved_attention",
+           "saved_attention",
            _at(LLAMA, attrs=("ALL_ATTENTION_FUNCTIONS", "eager_attention_forward", "apply_rotary_pos_emb")), says=(
                "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
                "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)",

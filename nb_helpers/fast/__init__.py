@@ -8,7 +8,7 @@ The course reaches it through this module alone, in four calls:
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
-                                          #   fast.fused_lora, fast.fused_block, fast.frozen_norms, fast.qkv,
+                                          #   fast.fused_lora, fast.fused_block, fast.frozen_norms,
                                           #   fast.saved_attention, fast.checkpoints, fast.offload, fast.graphed_layers)
     adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
@@ -28,7 +28,7 @@ from nb_helpers.frontend import say_once
 __all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
            "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
            "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "set_keep_dequantized", "out_of_memory_raises", "reset_graphs", "lever_table", "trainer_token_count"]
+           "out_of_memory_raises", "reset_graphs", "lever_table", "trainer_token_count"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -75,17 +75,13 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
-        if fast.keep_dequantized:
-            record(model, "keep_dequantized", _dequantized_weights_fit(model, cfg))
     if fast.fused_block and model._nb_levers.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
         counts = apply_fused_block(model, liger=bool(model._nb_levers.get("kernels")), frozen=fast.frozen_norms,
-                                   qkv_once=fast.qkv_once and bool(model._nb_levers.get("dropout_kernels")),
                                    saved=fast.saved_attention)
         record(model, "fused_block", counts["layers"] > 0)
         record(model, "frozen_norms", counts["frozen_norms"] > 0)
-        record(model, "qkv_once", counts["qkv"] > 0)
         record(model, "saved_attention", counts["saved_attention"] > 0)
     if cfg.fast_path:
         install_offload(model, bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing)
@@ -95,22 +91,6 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     if cfg.no_recompute_layers and cfg.gradient_checkpointing and not cfg.fast_path:
         say_once("no-recompute-plain", "[fast] no_recompute_layers needs the fast path (fast_path=True); every "
                                        "checkpointed layer recomputes")
-
-
-def _dequantized_weights_fit(model, cfg) -> bool:
-    """Whether a layer's recomputed weights, kept dequantized for its backward, are a small share of the run's budget
-    (plan.architecture.keeps_dequantized_weights); if not, one line says so and each backward dequantizes again."""
-    from nb_helpers.plan.architecture import ABSMAX_KEPT_SHARE, Shape, keeps_dequantized_weights
-    from nb_helpers.plan.cards import budget_of
-
-    try:
-        fits = keeps_dequantized_weights(Shape.from_config(model.config), budget_of(cfg))
-    except Exception:  # noqa: BLE001 - a config the planner cannot read: keep nothing, as before the lever
-        fits = False
-    if not fits:
-        say_once("keep-dequantized", f"[fast] keep_dequantized off: a layer's dequantized weights would be over "
-                                     f"{ABSMAX_KEPT_SHARE:.0%} of the budget (each backward dequantizes them again)")
-    return fits
 
 
 def adapt_trainer(trainer, model) -> None:
@@ -158,17 +138,14 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
-    ran["keep_dequantized"] = ran["dead_tail"] and ran.get("keep_dequantized", False)
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
     ran["frozen_norms"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("frozen_norms"))
-    ran["qkv_once"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("qkv_once"))
     ran["saved_attention"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("saved_attention")
                                   and ran["offload"] and not ran["graphs"] and ran["down_once"])
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
-        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "keep_dequantized",
-                      "down_once", "frozen_norms", "qkv_once",
-                      "saved_attention"):
+        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "down_once",
+                      "frozen_norms", "saved_attention"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)
@@ -205,8 +182,6 @@ def lever_table(cfg) -> str:
         runs = "yes" if on else f"no ({where or 'off'})"
         if name in ("graphs", "offload") and on:
             runs = "where auto-fit or your settings choose it"
-        elif name == "keep_dequantized" and on:
-            runs = "where the plan has room for the weights"
         rows.append(f"| `{name}` | {runs} | {what} | {measured} |")
     return "\n".join(rows) + ("\n\nTurn one off with `NB_FASTPATH=\"lever=0\"` before the kernel starts, or all of "
                               "them with `fast_path=False`.")
@@ -228,7 +203,6 @@ LAZY = {
     "graphs_on": ("checkpoints", "graphs_on"),
     "pad_multiple": ("checkpoints", "pad_multiple"),  # the collator's length step, or None
     "set_checkpoint_offload": ("checkpoints", "set_checkpoint_offload"),
-    "set_keep_dequantized": ("checkpoints", "set_keep_dequantized"),  # the plan's keep_dequantized, on the model
     "padded_length": ("graphed_layers", "padded_length"),
     "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
     "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)

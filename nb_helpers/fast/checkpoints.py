@@ -52,25 +52,13 @@ def tail_lever_on(model=None) -> bool:
     return options_of(model).skips_dead_tail()
 
 
-def set_keep_dequantized(model, planned: bool) -> None:
-    """Whether this run's recomputes keep their dequantized weights (lever keep_dequantized): where the plan holds them
-    (plan.planner.keep_fitted, for auto-fit's candidate or the settings set by hand), on the layers already marked too."""
-    model._nb_levers = {**getattr(model, "_nb_levers", {}), "keep_dequantized": bool(planned)}
-    keep = options_of(model).keep_dequantized and bool(planned)
-    for layer in compat.checkpointed_layers(model):
-        if getattr(layer, "_nb_tail_lever", False):
-            layer._nb_keep_weights = keep
-
-
 def set_checkpoint_offload(model, offload: bool) -> None:
     """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
     (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
-    it, reusing its forward's LoRA products (lever down_once) and keeping its dequantized weights for the backward
-    (lever keep_dequantized, fast.recompute.keeps_weights)."""
+    it, reusing its forward's LoRA products (lever down_once)."""
     from torch.utils.checkpoint import checkpoint
 
     graphs, tail = graphs_on(model), tail_lever_on(model)
-    keep = options_of(model).keep_dequantized and getattr(model, "_nb_levers", {}).get("keep_dequantized", True)
     down_once = options_of(model).down_once
     # the attention a checkpoint's forward sends to CPU RAM with it: offloaded eager checkpoints with down_once's stash
     saved = bool(options_of(model).saved_attention and offload and not graphs and tail and down_once)
@@ -83,7 +71,7 @@ def set_checkpoint_offload(model, offload: bool) -> None:
             saved_attention.mark(layer, False)
             compat.set_checkpoint_function(layer, kept_function(layer, graphs))
             continue
-        recompute.mark(layer, tail, keep, down_once)
+        recompute.mark(layer, tail, down_once)
         saved_attention.mark(layer, saved)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)

@@ -25,8 +25,8 @@ import types
 
 import torch
 
-from nb_helpers.fast import frozen_norms, qkv, recompute, saved_attention
-from nb_helpers.fast.fused_lora import _dequantize, _weight_for_backward, frozen_linear
+from nb_helpers.fast import frozen_norms, recompute, saved_attention
+from nb_helpers.fast.fused_lora import _dequantize, frozen_linear
 
 
 def _swiglu(gate, up, liger: bool):
@@ -50,17 +50,13 @@ def _swiglu_backward(gate, up, grad, liger: bool):
             (grad32 * gate32 * sigmoid).to(up.dtype))
 
 
-def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep: bool = False, residual=None):
-    """(the MLP's output, gate's output, up's output, gate's and up's dequantized weights where `keep`, else Nones).
-    Called directly under no_grad (a checkpoint's first forward, evaluation): the same kernels without an autograd
-    function to set up. `residual`: added inside down's GEMM (beta=1), where the layer would add it in a pass of its
-    own over the output (rounded once instead of twice)."""
-    kept = []
-    for weight in (gate, up):  # without `keep` each dequantized weight is freed before the next one is made
-        dequantized = _dequantize(weight, direct).to(x.dtype)
-        kept.append((torch.nn.functional.linear(x, dequantized), dequantized if keep else None))
-        del dequantized
-    (gate_out, gate_w), (up_out, up_w) = kept
+def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, residual=None):
+    """(the MLP's output, gate's output, up's output). Called directly under no_grad (a checkpoint's first forward,
+    evaluation): the same kernels without an autograd function to set up. `residual`: added inside down's GEMM
+    (beta=1), where the layer would add it in a pass of its own over the output (rounded once instead of twice)."""
+    # each dequantized weight is freed before the next one is made
+    gate_out = torch.nn.functional.linear(x, _dequantize(gate, direct).to(x.dtype))
+    up_out = torch.nn.functional.linear(x, _dequantize(up, direct).to(x.dtype))
     if dead:  # read by nothing (the layer's last add is thrown away too): no values written
         out = gate_out.new_empty(*x.shape[:-1], down.quant_state.shape[0])
     elif residual is not None:
@@ -69,32 +65,32 @@ def _mlp(x, gate, up, down, direct: bool, liger: bool, dead: bool = False, keep:
                           _dequantize(down, direct).to(x.dtype).t()).view(residual.shape)
     else:
         out = frozen_linear(_swiglu(gate_out, up_out, liger), down, direct=direct)
-    return out, gate_out, up_out, (gate_w, up_w)
+    return out, gate_out, up_out
 
 
 class FrozenMLP4bit(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)), the three weights NF4 and frozen: x's gradient only. `dead`: the output is read by
-    nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed. In a recompute
-    gate's and up's dequantized weights are kept for the backward (fast.recompute.keeps_weights)."""
+    nothing (fast.recompute): only what the backward reads (gate's and up's outputs) is computed. The backward
+    dequantizes the three weights again, one at a time."""
 
     @staticmethod
     def forward(ctx, x, gate, up, down, direct: bool, liger: bool, dead: bool):
-        out, gate_out, up_out, weights = _mlp(x, gate, up, down, direct, liger, dead, recompute.keeps_weights())
-        ctx.save_for_backward(gate_out, up_out, *weights)
+        out, gate_out, up_out = _mlp(x, gate, up, down, direct, liger, dead)
+        ctx.save_for_backward(gate_out, up_out)
         ctx.weights, ctx.direct, ctx.liger = (gate, up, down), direct, liger
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate_out, up_out, gate_kept, up_kept = ctx.saved_tensors
+        gate_out, up_out = ctx.saved_tensors
         gate, up, down = ctx.weights
         grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_act = grad @ _dequantize(down, ctx.direct).to(grad.dtype)  # one weight dequantized at a time
         grad_gate, grad_up = _swiglu_backward(gate_out.view(grad.shape[0], -1), up_out.view(grad.shape[0], -1),
                                               grad_act, ctx.liger)
         del grad_act
-        grad_x = grad_gate @ _weight_for_backward(gate_kept, gate, ctx.direct, grad.dtype)
-        grad_x.addmm_(grad_up, _weight_for_backward(up_kept, up, ctx.direct, grad.dtype))  # up's share in the GEMM
+        grad_x = grad_gate @ _dequantize(gate, ctx.direct).to(grad.dtype)
+        grad_x.addmm_(grad_up, _dequantize(up, ctx.direct).to(grad.dtype))  # up's share in the GEMM
         return grad_x.view(*grad_out.shape[:-1], -1), None, None, None, None, None, None
 
 
@@ -156,14 +152,15 @@ def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, 
 
 def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                        **kwargs):
-    """transformers' LlamaAttention.forward, with q, k and v projected by one function (fast.qkv, lever qkv_once) and
-    the attention a checkpoint's forward kept reused by its recompute (fast.saved_attention)."""
+    """transformers' LlamaAttention.forward, with the attention a checkpoint's forward kept reused by its recompute
+    (fast.saved_attention)."""
     from transformers.models.llama import modeling_llama as llama
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2)
-                                              for states in qkv.project(self, hidden_states))
+    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query_states, key_states = llama.apply_rotary_pos_emb(query_states, key_states, cos, sin)
     if past_key_values is not None:
@@ -189,19 +186,18 @@ def _liger_norm(norm) -> bool:
         and getattr(norm, "row_mode", None) is None and getattr(norm, "weight", None) is not None
 
 
-def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False, saved: bool = False) -> dict[str, int]:
+def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> dict[str, int]:
     """Route each Llama decoder layer through _layer_forward, and each MLP whose projections are frozen 4-bit layers
     through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels); `frozen`: lever frozen_norms, where
-    both of a layer's norms are liger's with frozen weights; `qkv_once`: each attention whose q, k and v take it
-    projects them through fast.qkv; `saved`: lever saved_attention may act in each attention (fast.saved_attention;
-    fast.checkpoints switches it per layer). Both run in a copy of Llama's attention forward. Returns how many layers,
-    MLPs, fused norms, layers with frozen_norms' backward, attentions with qkv_once and with saved_attention were
-    patched."""
+    both of a layer's norms are liger's with frozen weights; `saved`: lever saved_attention may act in each attention
+    (fast.saved_attention; fast.checkpoints switches it per layer), which then runs a copy of Llama's attention
+    forward. Returns how many layers, MLPs, fused norms, layers with frozen_norms' backward and attentions with
+    saved_attention were patched."""
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
     from nb_helpers.fast.mask import decoder_of
 
-    counts = {"layers": 0, "mlps": 0, "norms": 0, "frozen_norms": 0, "qkv": 0, "saved_attention": 0}
+    counts = {"layers": 0, "mlps": 0, "norms": 0, "frozen_norms": 0, "saved_attention": 0}
     decoder = decoder_of(model)
     for layer in getattr(decoder, "layers", []):
         if type(layer) is not LlamaDecoderLayer:
@@ -214,11 +210,9 @@ def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False, sa
         counts["norms"] += layer._nb_liger_norm
         counts["frozen_norms"] += layer._nb_frozen_norms
         attention = layer.self_attn
-        attention._nb_qkv_once = qkv_once and qkv.takes(attention)
-        if type(attention) is LlamaAttention and (attention._nb_qkv_once or saved):
+        if type(attention) is LlamaAttention and saved:
             attention.forward = types.MethodType(_attention_forward, attention)
-            counts["qkv"] += attention._nb_qkv_once
-            counts["saved_attention"] += saved
+            counts["saved_attention"] += 1
         if _frozen_mlp(layer.mlp, decoder.config):
             mlp = layer.mlp
             mlp._nb_direct, mlp._nb_liger = mlp.gate_proj._nb_direct, liger
@@ -228,15 +222,15 @@ def install(model, liger: bool, frozen: bool = False, qkv_once: bool = False, sa
 
 
 def apply_fused_block(model, liger: bool, verbose: bool = True, frozen: bool = False,
-                      qkv_once: bool = False, saved: bool = False) -> dict[str, int]:
+                      saved: bool = False) -> dict[str, int]:
     """install(), and one line saying what it patched (counts["layers"] is 0 where the model has no Llama layers)."""
     from nb_helpers.frontend import say_once
 
-    counts = install(model, liger, frozen, qkv_once, saved)
+    counts = install(model, liger, frozen, saved)
     if verbose and counts["layers"]:
         say_once("fused-block", f"[fast] {counts['layers']} Llama layers with {counts['mlps']} MLPs as one function "
                                 f"each and {counts['norms']} fused add + RMSNorm ({counts['frozen_norms']} with the "
-                                f"frozen norms' backward, {counts['qkv']} with q, k and v as one function)")
+                                f"frozen norms' backward)")
     elif verbose:
         say_once("fused-block-off", "[fast] fused layer blocks off: not Llama decoder layers (the stock layers run)")
     return counts

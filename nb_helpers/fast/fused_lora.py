@@ -131,13 +131,13 @@ def _probe_kernels():
 
 
 def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool, dead: bool = False,
-                 dropout_kernels: bool = False, keep: bool = False, down=None):
+                 dropout_kernels: bool = False, down=None):
     """The forward's math, and what its backward needs. Called directly under no_grad (a checkpoint's first forward,
     evaluation): no autograd Function to set up around it, the same kernels and the same dropout draws. `dead`: the
     output is read by nothing (fast.recompute), so the base product is skipped and zeros stand for it.
     `dropout_kernels`: the dropout is drawn inside the rank-r products (fast.lora_dropout), from a seed the backward
-    keeps instead of a dropped copy and a mask. `keep`: the dequantized weight is saved for the backward too.
-    `down`: the rank-r product this call's checkpointed forward made (fast.recompute.stashed), reused, not remade."""
+    keeps instead of a dropped copy and a mask. `down`: the rank-r product this call's checkpointed forward made
+    (fast.recompute.stashed), reused, not remade."""
     flat = x.reshape(-1, x.shape[-1])
     a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
     base = None if dead else _dequantize(weight, direct).to(x.dtype)
@@ -161,7 +161,7 @@ def _lora_linear(x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: flo
         saved = (dropped, down, mask, a, b, None)
     if dead:
         out = down.new_zeros(flat.shape[0], b.shape[0])
-    return out.view(*x.shape[:-1], out.shape[-1]), saved + (base if keep else None,)
+    return out.view(*x.shape[:-1], out.shape[-1]), saved
 
 
 class LoRA4bitLinear(torch.autograd.Function):
@@ -171,7 +171,7 @@ class LoRA4bitLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dropout_p: float, direct: bool = False,
                 dead: bool = False, dropout_kernels: bool = False, down=None):
         out, saved = _lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p, direct, dead, dropout_kernels,
-                                  keep=recompute.keeps_weights(), down=down)
+                                  down=down)
         ctx.save_for_backward(*saved)
         ctx.weight, ctx.scaling, ctx.dropout_p, ctx.direct = weight, scaling, dropout_p, direct
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -179,7 +179,7 @@ class LoRA4bitLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        dropped, down, mask, a, b, seed, kept = ctx.saved_tensors
+        dropped, down, mask, a, b, seed = ctx.saved_tensors
         grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dropped.dtype)
         grad_down, grad_b = rank_grads(grad, b, down, ctx.scaling)
         if seed is not None:  # `dropped` is the input itself: the kernels redraw the forward's mask from the seed
@@ -189,7 +189,7 @@ class LoRA4bitLinear(torch.autograd.Function):
             grad_x = grad_down @ a  # LoRA's share first: the base's GEMM then adds into it (beta=1), no separate add
             if mask is not None:
                 grad_x = torch.ops.aten.native_dropout_backward(grad_x, mask, 1.0 / (1.0 - ctx.dropout_p))
-        grad_x.addmm_(grad, _weight_for_backward(kept, ctx.weight, ctx.direct, grad.dtype))
+        grad_x.addmm_(grad, _dequantize(ctx.weight, ctx.direct).to(grad.dtype))
         return (grad_x.view(*grad_out.shape[:-1], grad_x.shape[-1]), None, None,
                 grad_a.to(ctx.dtypes[0]), grad_b.to(ctx.dtypes[1]), None, None, None, None, None, None)
 
@@ -201,32 +201,23 @@ def rank_grads(grad, b, down, scaling: float):
     return grad_down, torch.addmm(grad.new_empty(grad.shape[1], down.shape[1]), grad.t(), down, beta=0, alpha=scaling)
 
 
-def _weight_for_backward(kept, weight, direct: bool, dtype):
-    """The weight the forward kept (fast.recompute.keeps_weights), else dequantized again."""
-    return (kept if kept is not None else _dequantize(weight, direct)).to(dtype)
-
-
 class Frozen4bitLinear(torch.autograd.Function):
-    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed), unless the
-    forward kept it (fast.recompute.keeps_weights). `dead`: the output is read by nothing (fast.recompute): zeros stand
-    for it, and the backward is the same."""
+    """y = x W^T + b with W in NF4; the backward dequantizes W again (nothing but x's gradient is needed). `dead`: the
+    output is read by nothing (fast.recompute): zeros stand for it, and the backward is the same."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, direct: bool = False, dead: bool = False):
         ctx.weight, ctx.direct = weight, direct
         if dead:
-            ctx.save_for_backward(None)
             kind = x.device.type
             dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
             return x.new_zeros(*x.shape[:-1], weight.quant_state.shape[0], dtype=dtype)
-        base = _dequantize(weight, direct).to(x.dtype)
-        ctx.save_for_backward(base if recompute.keeps_weights() else None)
-        return torch.nn.functional.linear(x, base, None if bias is None else bias.to(x.dtype))
+        return torch.nn.functional.linear(x, _dequantize(weight, direct).to(x.dtype), None if bias is None else
+                                          bias.to(x.dtype))
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight = _weight_for_backward(ctx.saved_tensors[0], ctx.weight, ctx.direct, grad_out.dtype)
-        return grad_out @ weight, None, None, None, None
+        return grad_out @ _dequantize(ctx.weight, ctx.direct).to(grad_out.dtype), None, None, None, None
 
 
 def plain_adapter(layer) -> str | None:

@@ -81,25 +81,22 @@ def _col_tile(features: int) -> int:
 def tiles(kernel: str, tokens: int, features: int) -> dict:
     """Each kernel's launch settings: its tiles (rows BT, input columns BK, outputs BN), warps and pipeline stages;
     for "forward", whether `out` is written by the down kernel itself (split=False) or by out_kernel after it; for
-    "backward" and "shared" (the backward of q, k and v on one input, fast.qkv), how many programs per SM its row
-    splits aim at. `features` is the input's for "forward", "backward" and "shared", the outputs' for "out". From
-    bench/lora_kernel_sweep.py on an H200 (bench/NOTES.md, sessions 13 and 14): the backward with four programs an SM
-    took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the forward writing 256 outputs a step
-    49.5 against 52.1 (q and o); "shared" 181 against 188 us at 16,384 tokens and 49 against 55 at 4,096 (call 72);
-    each other kernel was within 5% of its best. NB_LORA_TILES=before gives the settings before those sweeps (calls
-    42-66; "shared": calls 71-72's, the backward's), for a benchmark's run beside these."""
-    many = tokens >= 8192
-    backward = dict(BT=16 if many else 32, BK=_col_tile(features) if many else 64, num_warps=4, num_stages=3, per_sm=4)
+    "backward", how many programs per SM its row splits aim at. `features` is the input's for "forward" and
+    "backward", the outputs' for "out". From bench/lora_kernel_sweep.py on an H200 (2026-12-03): the
+    backward with four programs an SM took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the
+    forward writing 256 outputs a step 49.5 against 52.1 (q and o); each other kernel was within 5% of its best.
+    NB_LORA_TILES=before gives the settings of calls 42-66, for a benchmark's run beside these."""
     if os.environ.get("NB_LORA_TILES") == "before":
         rows, cols = _row_tile(tokens), _col_tile(features)
         return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),
                 "out": dict(BT=64, BN=128, num_warps=4, num_stages=1),
-                "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2), "shared": backward}[kernel]
+                "backward": dict(BT=rows, BK=cols, num_warps=4, num_stages=3, per_sm=2)}[kernel]
+    many = tokens >= 8192
     return {"forward": dict(BT=32 if many else 16, BK=_col_tile(features), BN=256, num_warps=4, num_stages=3,
                             split=False),
             "out": dict(BT=64, BN=128 if features >= 1024 else 64, num_warps=4, num_stages=1),
-            "backward": backward,
-            "shared": dict(BT=32 if many else 16, BK=_col_tile(features), num_warps=4, num_stages=2, per_sm=2)}[kernel]
+            "backward": dict(BT=16 if many else 32, BK=_col_tile(features) if many else 64, num_warps=4, num_stages=3,
+                             per_sm=4)}[kernel]
 
 
 def _launch(settings: dict) -> dict:
@@ -150,31 +147,17 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     """(grad_A, grad_x) through the same mask as dropped_down's, drawn once for both: grad_down^T dropout(flat) (rank
     x features, fp32) and (grad_down A) * mask / (1 - p) (tokens x features, LoRA's share of the input's gradient,
     into which the base GEMM then adds)."""
-    grad_as, grad_x = shared_grads([grad_down], flat, [a], [seed], p, settings)
-    return grad_as[0], grad_x
-
-
-def shared_grads(grad_downs, flat, lora_as, seeds, p: float, settings: dict | None = None):
-    """grads() for one or three LoRA layers that read the same input `flat` (q, k and v), each through its own mask
-    (seed) and the same dropout p and rank: ([grad_A of each], the sum of their shares of the input's gradient). The
-    kernel reads the input once and writes one gradient, where three calls of grads() read it three times and write
-    three shares for autograd to add."""
     tokens, features = flat.shape
-    count, rank = len(grad_downs), grad_downs[0].shape[1]
-    padded = _rank_tile(rank)
-    settings = settings or tiles("backward" if count == 1 else "shared", tokens, features)
+    rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
+    settings = settings or tiles("backward", tokens, features)
     rows, cols = settings["BT"], settings["BK"]
     splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"])
-    parts = torch.empty(count, splits, padded, features, dtype=torch.float32, device=flat.device)
-    grad_x = torch.empty(tokens, features, dtype=grad_downs[0].dtype, device=flat.device)
-    layers = [(g.contiguous(), a.contiguous(), seed) for g, a, seed in zip(grad_downs, lora_as, seeds)]
-    others = [t for layer in (layers[1:] if count == 3 else layers * 2) for t in layer]  # the first's: not read
+    parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
+    grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
     kernels().backward_kernel[(features // cols, splits)](
-        layers[0][0], flat, layers[0][1], grad_x, parts, seeds[0], tokens, features, rank, threshold(p),
-        keep_scale(p), rows_per_split, *others, splits * padded * features, R=padded, BT=rows, BK=cols, PROJ=count,
-        **_launch(settings))
-    summed = parts[:, 0] if splits == 1 else parts.sum(1)
-    return [summed[i, :rank] for i in range(count)], grad_x
+        grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
+        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, **_launch(settings))
+    return (parts[0] if splits == 1 else parts.sum(0))[:rank], grad_x
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

@@ -72,61 +72,30 @@ def out_kernel(down_ptr, b_ptr, out_ptr, tokens, rank, outputs, scaling, R: tl.c
 
 
 @triton.jit
-def _dropped_grads(gd_ptr, a, seed, x, rows, inside, ranks, col0, features, rank, threshold, inv_keep,
-                   BT: tl.constexpr, BK: tl.constexpr):
-    """One projection's (grad_down^T dropout(x), x's gradient share (grad_down A) * mask / (1 - p)) over these rows
-    and BK columns, its mask drawn once for both."""
-    gd = tl.load(gd_ptr + rows[:, None] * rank + ranks[None, :], mask=inside & (ranks[None, :] < rank), other=0.0)
-    keep = keep_mask(seed, rows, col0, features, threshold, BT, BK)
-    part = tl.dot(tl.trans(gd.to(x.dtype)), tl.where(keep, x, 0.0).to(x.dtype))
-    return part, tl.where(keep, tl.dot(gd, a.to(gd.dtype)) * inv_keep, 0.0)
-
-
-@triton.jit
 def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, features, rank, threshold, inv_keep,
-                    rows_per_split, gd2_ptr, a2_ptr, seed2_ptr, gd3_ptr, a3_ptr, seed3_ptr, part_stride,
-                    R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PROJ: tl.constexpr):
-    """One split of the rows and BK columns, for PROJ (1 or 3) LoRA layers that read the same x (q, k and v), each
-    through its own mask: x's gradient, the sum of their shares (grad_down A) * mask / (1 - p), written once (x read
-    once); and per layer grad_down^T dropout(x) summed over the split (rank x BK, fp32, scaled by 1 / (1 - p)), the
-    second and third layer's `part_stride` values after the first's."""
+                    rows_per_split, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """One split of the rows and BK columns, the mask drawn once for both: x's gradient share (grad_down A) * mask /
+    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, scaled by 1 / (1 - p))."""
     col0 = tl.program_id(0) * BK
     cols = col0 + tl.arange(0, BK)
     split = tl.program_id(1)
     ranks = tl.arange(0, R)
-    a_at = ranks[:, None] * features + cols[None, :]
-    a = tl.load(a_ptr + a_at, mask=ranks[:, None] < rank, other=0.0)
     seed = tl.load(seed_ptr)
-    if PROJ == 3:
-        a2 = tl.load(a2_ptr + a_at, mask=ranks[:, None] < rank, other=0.0)
-        a3 = tl.load(a3_ptr + a_at, mask=ranks[:, None] < rank, other=0.0)
-        seed2, seed3 = tl.load(seed2_ptr), tl.load(seed3_ptr)
+    a = tl.load(a_ptr + ranks[:, None] * features + cols[None, :], mask=ranks[:, None] < rank, other=0.0)
     first = split * rows_per_split
     last = tl.minimum(first + rows_per_split, tokens)
     acc = tl.zeros((R, BK), dtype=tl.float32)
-    acc2 = tl.zeros((R, BK), dtype=tl.float32)
-    acc3 = tl.zeros((R, BK), dtype=tl.float32)
     for start in range(first, last, BT):
         rows = start + tl.arange(0, BT)
         inside = rows[:, None] < last
+        gd = tl.load(gd_ptr + rows[:, None] * rank + ranks[None, :], mask=inside & (ranks[None, :] < rank),
+                     other=0.0)
         x = tl.load(x_ptr + rows[:, None] * features + cols[None, :], mask=inside, other=0.0)
-        part, share = _dropped_grads(gd_ptr, a, seed, x, rows, inside, ranks, col0, features, rank, threshold,
-                                     inv_keep, BT, BK)
-        acc += part
-        if PROJ == 3:
-            part, more = _dropped_grads(gd2_ptr, a2, seed2, x, rows, inside, ranks, col0, features, rank, threshold,
-                                        inv_keep, BT, BK)
-            acc2 += part
-            share += more
-            part, more = _dropped_grads(gd3_ptr, a3, seed3, x, rows, inside, ranks, col0, features, rank, threshold,
-                                        inv_keep, BT, BK)
-            acc3 += part
-            share += more
+        keep = keep_mask(seed, rows, col0, features, threshold, BT, BK)
+        acc += tl.dot(tl.trans(gd.to(x.dtype)), tl.where(keep, x, 0.0).to(x.dtype))
+        share = tl.where(keep, tl.dot(gd, a.to(gd.dtype)) * inv_keep, 0.0)
         tl.store(gx_ptr + rows[:, None] * features + cols[None, :], share.to(gx_ptr.dtype.element_ty), mask=inside)
-    tl.store(part_ptr + split * R * features + a_at, acc * inv_keep)
-    if PROJ == 3:
-        tl.store(part_ptr + part_stride + split * R * features + a_at, acc2 * inv_keep)
-        tl.store(part_ptr + 2 * part_stride + split * R * features + a_at, acc3 * inv_keep)
+    tl.store(part_ptr + split * R * features + ranks[:, None] * features + cols[None, :], acc * inv_keep)
 
 
 @triton.jit

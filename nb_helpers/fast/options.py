@@ -52,13 +52,6 @@ class FastOptions:
     #                              before every micro-batch (fast.host_step); CUDA
     frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
-    keep_dequantized: bool = True  # a checkpointed layer's recompute keeps the weights it dequantizes for its own
-    #                                backward, which follows at once (fast.recompute.keeps_weights), where the plan
-    #                                holds them without losing a fit or an unrecomputed layer (plan.planner.keep_fitted);
-    #                                CUDA, dead_tail
-    qkv_once: bool = True  # q, k and v of a Llama attention as one function: one kernel reads their shared input
-    #                        once and writes its gradient once, where three did and autograd added them (fast.qkv);
-    #                        CUDA, fused_block, dropout_kernels
     saved_attention: bool = True  # where checkpoints go to CPU RAM, each layer's forward sends its attention output
     #                               there too and the recompute reuses it: no attention in the recompute
     #                               (fast.saved_attention); CUDA, fused_block, offload, down_once, not graphs
@@ -179,14 +172,6 @@ LEVERS = {
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
                      "12.76 against 13.05 at 8 x 512 (steps the same) (call 63)"),
-    "keep_dequantized": ("the recompute's dequantized weights kept for the layer's backward, not dequantized "
-                         "again, where the plan holds them without losing a fit or an unrecomputed layer",
-                         "GPU compute 12.00 against 12.21 us/token at 8 x 512, for 0.08 GiB (call 69); at 8 x 2048 "
-                         "under 4 GiB the plan has no room once two layers stay unrecomputed, so none are kept"),
-    "qkv_once": ("q, k and v as one function: one kernel reads their shared input once and writes its gradient once, "
-                 "where three did and autograd added them", "GPU compute 11.82 against 12.03 us/token at 8 x 512 (adds "
-                 "0.56 against 0.04 ms a step); at 8 x 2048 the adds' 2.2 ms went, but the three-layer kernel took 0.5 "
-                 "ms more than three one-layer ones (call 71)"),
     "saved_attention": ("where checkpoints go to CPU RAM, each layer's attention output goes with them and the "
                         "recompute reuses it instead of attending again", "GPU compute 11.99 against 12.31 us/token "
                         "at 8 x 2048 (cuDNN's forward 8.0 against 15.7 ms a step), 74,297 against 73,332 tokens/s; "

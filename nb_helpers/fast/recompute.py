@@ -31,7 +31,6 @@ _FORWARDS: list = []  # the stashes of the checkpointed forwards running now (le
 class _Recompute:
     def __init__(self, layer, stash=None):
         self.skip = getattr(layer, "_nb_dead_tail", None)  # the dead module; False: none; None: not probed yet
-        self.keep_weights = getattr(layer, "_nb_keep_weights", False)
         self.stash = stash if getattr(layer, "_nb_down_once", False) else None
         self.probing = self.skip is None
         self.last = None  # the last 4-bit linear layer that returned
@@ -42,13 +41,6 @@ def is_dead(module) -> bool:
     """Whether a fused 4-bit layer may skip its product: this is the recompute of its decoder layer, and the probe
     found its output read by nothing."""
     return bool(_ACTIVE) and _ACTIVE[-1].skip is module
-
-
-def keeps_weights() -> bool:
-    """Whether a fused 4-bit layer keeps the weight it dequantized for its backward (lever keep_dequantized): this is
-    a recompute, whose backward runs right after it, so one layer's weights are held at a time, where without the
-    lever the backward dequantizes each again. Never in a forward without checkpointing: that would hold every layer's."""
-    return bool(_ACTIVE) and _ACTIVE[-1].keep_weights
 
 
 def stash_of_forward():
@@ -111,11 +103,10 @@ def recomputing(layer, stash: dict | None = None):
         _ACTIVE.pop()
 
 
-def mark(layer, on: bool, keep_weights: bool = False, down_once: bool = False) -> None:
+def mark(layer, on: bool, down_once: bool = False) -> None:
     """Switch the lever for one decoder layer; switching it (back) on probes again at the next recompute.
-    `keep_weights`: its recompute also keeps the dequantized weights for the backward (keeps_weights).
     `down_once`: its recompute reuses its forward's LoRA products (forwarding, stashed)."""
-    layer._nb_tail_lever, layer._nb_keep_weights = bool(on), bool(on and keep_weights)
+    layer._nb_tail_lever = bool(on)
     layer._nb_down_once = bool(on and down_once)
     layer._nb_dead_tail = None
 
