@@ -72,11 +72,13 @@ def build_wheel(tmp: Path) -> Path:
 def fresh_venv(tmp: Path, wheel: Path) -> tuple[Path, Path]:
     """(its python, its site-packages): the wheel installed, then the pinned stack reachable through a .pth file.
     The .pth comes after the install, so pip never sees the project's own editable nb_helpers there."""
-    root = tmp / "venv"
-    venv.EnvBuilder(with_pip=False).create(root)
+    from importlib.metadata import version
+
+    root, ours = tmp / "venv", tuple(int(x) for x in version("pip").split(".")[:2]) >= (22, 3)
+    venv.EnvBuilder(with_pip=not ours).create(root)  # pip 22.3 installs into another interpreter (--python)
     python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-         str(wheel)], cwd=tmp, env=clean_env())
+    pip = [sys.executable, "-m", "pip", "--python", str(python)] if ours else [str(python), "-m", "pip"]
+    run([*pip, "install", "--no-deps", "--no-index", "-q", str(wheel)], cwd=tmp, env=clean_env())
     site = Path(run([str(python), "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                     cwd=tmp, env=clean_env()).stdout.strip())
     assert site.is_relative_to(root), site
