@@ -8,7 +8,6 @@ What it compares, per call of one projection (CUDA-event medians over replays of
   forward   down = dropout(x) A^T and out = s down B^T: one kernel (split=False), or the down kernel then out_kernel
   out       out_kernel alone (a recompute reusing its forward's down: lever down_once)
   backward  grad_A and LoRA's share of grad_x, one kernel, its row splits aiming at 2, 4 or 8 programs per SM
-  shared    the same kernel for q, k and v on one input (fast.qkv): three grad_A, one summed share of grad_x
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ def grid() -> dict[str, list[dict]]:
         "out": product(BT=(32, 64, 128), BN=(64, 128, 256), num_warps=(4, 8), num_stages=(1,)),
         "backward": product(BT=(16, 32, 64), BK=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3),
                             per_sm=(2, 4, 8)),
-        "shared": product(BT=(16, 32, 64), BK=(64, 128), num_warps=(4, 8), num_stages=(2, 3), per_sm=(1, 2, 4)),
     }
 
 
@@ -75,8 +73,7 @@ def tensors(tokens: int, outputs: int) -> dict:
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
     return dict(x=rand(tokens, FEATURES), a=rand(RANK, FEATURES, scale=FEATURES ** -0.5), b=rand(outputs, RANK),
-                gd=rand(tokens, RANK), seed=torch.tensor([1234], dtype=torch.int32, device="cuda"),
-                seeds=[torch.tensor([v], dtype=torch.int32, device="cuda") for v in (1234, 1235, 1236)])
+                gd=rand(tokens, RANK), seed=torch.tensor([1234], dtype=torch.int32, device="cuda"))
 
 
 def calls(kind: str, t: dict, settings: dict):
@@ -87,10 +84,6 @@ def calls(kind: str, t: dict, settings: dict):
     elif kind == "out":
         def run():
             return ld.out_from_down(t["down"], t["b"], SCALING, settings=settings)
-    elif kind == "shared":  # q, k and v's backward on one input (fast.qkv): x's gradient, then q's grad_A
-        def run():
-            grad_as, grad_x = ld.shared_grads([t["gd"]] * 3, t["x"], [t["a"]] * 3, t["seeds"], P, settings=settings)
-            return grad_x, grad_as[0]
     else:
         def run():
             return ld.grads(t["gd"], t["x"], t["a"], t["seed"], P, settings=settings)
@@ -107,7 +100,7 @@ def sweep_kind(kind: str, configs: list[dict], shapes: list[tuple[int, int]]) ->
         t = tensors(tokens, outputs)
         t["down"] = ld.dropped_down(t["x"], t["a"], t["b"], t["seed"], P, SCALING, write_out=False)[0]
         shipped = ld.tiles("out", tokens, outputs) if kind == "out" else \
-            ld.tiles(kind if kind in ("backward", "shared") else "forward", tokens, FEATURES)
+            ld.tiles("backward" if kind == "backward" else "forward", tokens, FEATURES)
         reference = calls(kind, t, shipped)()
         shipped_us = gpu_us(calls(kind, t, shipped))
         for settings in configs:
@@ -149,7 +142,7 @@ def main() -> None:
     shapes = {"fused": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
               "down": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
               "out": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
-              "backward": [(4096, 2048), (16384, 2048)], "shared": [(4096, 2048), (16384, 2048)]}
+              "backward": [(4096, 2048), (16384, 2048)]}
     rows, began = [], time.perf_counter()
     for kind in args.kinds.split(","):
         rows += sweep_kind(kind, grid()[kind], shapes[kind])

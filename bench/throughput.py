@@ -71,8 +71,8 @@ def turing_runs(workload: str, steps: int) -> list[dict]:
 
 
 # Where each lever can run: 8 x 512 trains graphed (auto-fit), 8 x 2048 eager with checkpoints in CPU RAM
-ONLY_AT = {"nf4_in_graphs": ("w512", "shipped"), "graphs": ("w512", "shipped"), "saved_attention": ("w2048",),
-           "offload": ("w2048",), "pad_lengths": ("w2048",)}
+ONLY_AT = {"graphs": ("w512", "shipped"), "saved_attention": ("w2048",), "offload": ("w2048",),
+           "pad_lengths": ("w2048",)}
 
 
 def gain_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
@@ -100,19 +100,11 @@ def lever_runs(steps: int) -> list[dict]:
         # (fast.saved_attention; 8 x 2048 is the workload auto-fit offloads), taken out
         run("w2048", "no-saved-attention", 8, 1, fast="saved_attention=0", auto_fit=True, profile=True,
             steps=steps + 1),
-        # seventy-first device call: q, k and v of each attention as one function, their LoRA backward one kernel
-        # (fast.qkv), taken out
-        *[run(workload, "no-qkv-once", 8, 1, fast="qkv_once=0", auto_fit=True, profile=True, steps=steps + 1)
-          for workload in ("w2048", "w512")],
-        # sixty-eighth device call: keep_dequantized on by default where the plan holds the kept weights
-        # (plan.planner.keep_fitted), and fast.lora_dropout's swept launch settings, each taken out
-        *[run(workload, "no-keep-dequantized", 8, 1, fast="keep_dequantized=0", auto_fit=True, profile=True,
-              steps=steps + 1) for workload in ("w2048", "w512")],
+        # (calls 49-72 also ran levers keep_dequantized, nf4_in_graphs and qkv_once, since removed: their runs are
+        # in bench/results/runs/)
+        # sixty-eighth device call: fast.lora_dropout's swept launch settings, taken out
         *[run(workload, "lora-tiles-before", 8, 1, env={"NB_LORA_TILES": "before"}, auto_fit=True, profile=True,
               steps=steps + 1) for workload in ("w2048", "w512")],
-        # sixty-fifth device call: NF4 weights dequantized by one Triton kernel inside CUDA graphs (fast.nf4), taken
-        # out (8 x 512 is the workload auto-fit graphs)
-        run("w512", "no-nf4-in-graphs", 8, 1, fast="nf4_in_graphs=0", auto_fit=True, profile=True, steps=steps + 1),
         # sixty-third device call: the norms' backward for frozen weights over the rows, the layer input's two
         # gradients summed inside it (fast.frozen_norms), taken out
         *[run(workload, "no-frozen-norms", 8, 1, fast="frozen_norms=0", auto_fit=True, profile=True, steps=steps + 1)
@@ -140,12 +132,6 @@ def lever_runs(steps: int) -> list[dict]:
             steps=steps + 1),
         run("w2048", "offload-8x1-profiled", 8, 1, offload=True, profile=True, steps=steps + 1),
         run("w512", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        # forty-ninth and fiftieth device calls: the recompute's dequantized weights kept for the layer's backward
-        # (fast.recompute.keeps_weights; on in "ours" then, opt-in until call 68, default since)
-        run("w2048", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
-            steps=steps + 1),
-        run("w512", "keep-dequantized", 8, 1, fast="keep_dequantized=1", auto_fit=True, profile=True,
             steps=steps + 1),
         # forty-fifth device call: double quantization's absmax decoded once and kept in fp32 (fast.fused_lora
         # keep_decoded_absmax), taken out again
