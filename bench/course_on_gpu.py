@@ -1,6 +1,7 @@
 """The course's notebooks top to bottom on a machine with a GPU, as a learner's `make run` runs them there: each in a
 process of its own (as each has its own kernel), cell by cell in IPython's shell (what a Jupyter kernel runs), with
-NB_CI=1. It reports, per notebook, whether every cell ran and the first error; the notebooks' output goes to
+NB_CI=1. It reports, per notebook, whether every cell ran and the first error, in a run file (bench/run_file.py)
+under --out-dir (default: the --out folder, so it comes back with the logs); the notebooks' output goes to
 <out>/course-<notebook>.log.
 
     python bench/course_on_gpu.py --out DIR                 # the embedded model, as make run uses it
@@ -18,11 +19,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import RunFile  # noqa: E402
 
 RUN_ONE = r"""
 import sys, traceback, nbformat
@@ -61,13 +66,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--notebooks", default="00,01,02,03,04,05,06")
+    parser.add_argument("--out-dir", default=None, help="folder for the run file (default: --out)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    run_file = RunFile("course-on-gpu", out_dir=args.out_dir or out)
     env = {**os.environ, "NB_CI": "1", "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"),
                                                                                     str(ROOT)]))}
     if args.random_weights:
-        config = out / "course-model.json"
+        config = Path(tempfile.mkdtemp(prefix="course-model-")) / "course-model.json"
         config.write_text(json.dumps({"model": str(random_weight_model(Path("/tmp/course-random-model")))}))
         env["NB_CONFIG"] = str(config)
     results = []
@@ -83,7 +90,8 @@ def main() -> None:
                         "result": last[-1][3:] if last else f"exit {ran.returncode}: {ran.stderr.strip()[-300:]}"})
         print(f"{notebook.name:32s} {'ok' if ran.returncode == 0 else 'FAILED':6s} {results[-1]['seconds']:6.1f} s  "
               f"{results[-1]['result']}", flush=True)
-    (out / "course-on-gpu.json").write_text(json.dumps(results, indent=1))
+        run_file.write({"random_weights": args.random_weights, "notebooks": results})
+    print(f"wrote {run_file.path}")
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

@@ -1,6 +1,6 @@
 """CPU training speed per instruction set and dtype, on the embedded SmolLM2-135M (the `make run` model).
 
-    python bench/cpu_bench.py                 # the full grid, writes bench/results/cpu.json
+    python bench/cpu_bench.py                 # the full grid: a run file in bench/results/runs/ (bench/run_file.py)
     python bench/cpu_bench.py --steps 4 --only avx2   # a quicker look at one ISA limit
 
 Each variant runs in a fresh process, because the ISA limits are read when torch starts:
@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "cpu.json"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import RunFile, add_out_dir  # noqa: E402
 
 ISA_LIMITS = {
     "native": {},
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per variant (the first is not timed)")
     parser.add_argument("--only", choices=sorted(ISA_LIMITS), help="one ISA limit instead of both")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a variant is stopped")
-    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--output", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -138,9 +141,10 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from nb_helpers.config import CPU_OVERRIDES
-    from nb_helpers.summary import package_versions
 
-    rows = []
+    run_file = RunFile("cpu", out_dir=args.out_dir, out=args.output, device="cpu")
+    result = {"profile": CPU_OVERRIDES, "steps": args.steps, "isa_limits": ISA_LIMITS, "rows": []}
+    rows = result["rows"]
     for isa in [args.only] if args.only else list(ISA_LIMITS):
         for name, changes in variants():
             row = run_variant(isa, name, changes, args.steps, args.timeout)
@@ -149,12 +153,8 @@ def main(argv=None) -> int:
             print(f"{isa:<7} {name:<34} {row['compute_dtype'] or '?':<9} {took:<16} "
                   f"{row['tokens_per_s'] or '-':>8} tok/s  steps {row['steps_done']}"
                   + (f"  (stopped after {row['stopped_after_s']} s)" if row["stopped_after_s"] else ""), flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_model(), "cores": os.cpu_count(),
-              "profile": CPU_OVERRIDES, "steps": args.steps, "versions": package_versions(),
-              "isa_limits": ISA_LIMITS, "rows": rows}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+            run_file.write(result)  # after every variant: a long bench keeps what it measured
+    print(f"wrote {run_file.write(result)}")
     return 0
 
 

@@ -2,7 +2,7 @@
 `dropout_kernels` lever) against fast.lora_dropout's Triton kernels, per projection of the TinyLlama shape, with the
 base GEMM that adds into the output in both. Also checks the kernels against torch on the mask they draw (bf16).
 
-    python bench/lora_dropout_bench.py --out results.json     # on the device; prints a table last
+    python bench/lora_dropout_bench.py --out-dir $OUT     # on the device: a run file (bench/run_file.py); a table last
 
 Times are CUDA-event medians (median_ms), per call of one projection. The kernels' own launch settings are
 swept by bench/lora_kernel_sweep.py.
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_file import RunFile, add_out_dir  # noqa: E402
+
 from nb_helpers.fast import lora_dropout as ld  # noqa: E402
 
 
@@ -104,8 +106,10 @@ def check(t, p, s) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     args = parser.parse_args()
+    run_file = RunFile("lora-dropout", out_dir=args.out_dir, out=args.out)
     p, s, results = 0.05, 2.0, []
     for tokens, (name, outputs) in itertools.product((16384, 4096), (("q/o", 2048), ("k/v", 256))):
         t = tensors(tokens, 2048, outputs)
@@ -118,8 +122,7 @@ def main() -> None:
                "base_grad_gemm_ms": median_ms(lambda: t["g"] @ t["w"]), "check": check(t, p, s)}
         results.append(row)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {run_file.write(out)}")
     print(f"{'tokens':>6} {'proj':>4} {'torch fwd':>9} {'kern fwd':>9} {'torch bwd':>9} {'kern bwd':>9} "
           f"{'base':>6} {'worst rel err':>13}")
     for r in results:

@@ -2,7 +2,7 @@
 features, rank 8; outputs 2,048 for q and o, 256 for k and v) and the two token counts of issue 27 (8 x 512 and
 8 x 2048). Each setting's outputs are checked against the shipped settings' (the largest relative difference is kept).
 
-    python bench/lora_kernel_sweep.py --out sweep.json      # on the device; prints the best settings last
+    python bench/lora_kernel_sweep.py --out-dir $OUT      # on the device: a run file; prints the best settings last
 
 What it compares, per call of one projection (CUDA-event medians over replays of a graph of 20 calls):
   forward   down = dropout(x) A^T and out = s down B^T: one kernel (split=False), or the down kernel then out_kernel
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_file import RunFile, add_out_dir  # noqa: E402
+
 from nb_helpers.fast import lora_dropout as ld  # noqa: E402
 
 FEATURES, RANK, P, SCALING = 2048, 8, 0.05, 2.0
@@ -136,9 +138,11 @@ def best(rows: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--kinds", default="fused,down,out,backward")
     args = parser.parse_args()
+    run_file = RunFile("lora-kernel-sweep", out_dir=args.out_dir, out=args.out)
     shapes = {"fused": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
               "down": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
               "out": [(4096, 2048), (4096, 256), (16384, 2048), (16384, 256)],
@@ -150,8 +154,7 @@ def main() -> None:
     winners = best(rows)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
            "best": [dict(r) for r in winners.values()]}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {run_file.write(out)}")
     for (kind, tokens, outputs), r in sorted(winners.items()):
         settings = {k: v for k, v in r.items() if k not in ("kind", "tokens", "outputs", "us", "shipped_us",
                                                             "max_rel_diff", "wall_s")}

@@ -8,12 +8,12 @@ step). On 1 GPU it trains as written; on 2, nb_helpers.distributed splits it to 
 the TinyLlama-1.1B shape with random weights (bench/build_tinyllama_shape.py), W512-like rows
 (bench/planner_grid.write_rows: 497-511 tokens, so micro-batches carry a little padding), r=8 on q,k,v,o,
 gradient checkpointing on with the layers as CUDA graphs (--eager: without) and a 4 GiB budget per GPU, context
-included: the settings auto-fit chose for 8 x 512 on the 4 GiB card (bench/results/throughput.json), so each GPU runs
+included: the settings auto-fit chose for 8 x 512 on the 4 GiB card (bench/RESULTS.md), so each GPU runs
 what the course runs on one. LoRA dropout is 0:
 each process draws its own dropout masks, so with dropout the curves would differ by the masks as well as by
 rounding; --dropout 0.05 is the course's default.
 
-    python bench/multi_gpu.py                   # 2 x H200: about 3 minutes; writes bench/results/multi_gpu.json
+    python bench/multi_gpu.py                   # 2 x H200: about 3 minutes; a run file in bench/results/runs/
     python bench/multi_gpu.py --worlds 1,2,4    # more GPUs, if the machine has them
     python bench/multi_gpu.py --allow-cpu --model-dir DIR --seq 64 --micro 2 --steps 5 --out /tmp/m.json
                                                 # a dry run of this script on a CPU (gloo), with a small model
@@ -22,7 +22,6 @@ rounding; --dropout 0.05 is the course's default.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -36,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from throughput import WARMUP, versions  # noqa: E402  (3 warm-up steps; the library versions)
+from run_file import RunFile, add_out_dir  # noqa: E402
+from throughput import WARMUP  # noqa: E402  (3 warm-up steps)
 
 from nb_helpers.distributed import free_port  # noqa: E402
 
@@ -191,7 +191,8 @@ def main() -> None:
                         help="eager layers (a hand-set run's default); without it, CUDA graphs as auto-fit picks them")
     parser.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (0: comparable loss curves)")
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "multi_gpu.json"))
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--timeout-s", type=float, default=240, help="per run")
     parser.add_argument("--allow-cpu", action="store_true", help="dry run without GPUs (processes on the CPU, gloo)")
     parser.add_argument("--threads", type=int, default=None,
@@ -221,8 +222,9 @@ def main() -> None:
     write_rows(AutoTokenizer.from_pretrained(model_dir), data, args.steps * args.global_batch, args.seq, seed=args.seq)
     # every run gets the share a process has at the most GPUs
     threads = args.threads or max(1, (os.cpu_count() or 2) // max(worlds))
-    out = {**gpu_facts(args.allow_cpu), "date": datetime.date.today().isoformat(), "versions": versions(),
-           "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)"
+    facts = gpu_facts(args.allow_cpu)
+    run_file = RunFile("multi-gpu", out_dir=args.out_dir, out=args.out, device="gpu" if facts["gpu_count"] else "cpu")
+    out = {**facts, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)"
            if args.model_dir == parser.get_default("model_dir") else str(model_dir),
            "seq": args.seq, "global_batch": args.global_batch, "micro_batch_per_gpu": args.micro,
            "gradient_checkpointing": not args.no_gc, "cuda_graphs": not args.eager,
@@ -230,15 +232,13 @@ def main() -> None:
            "lora_dropout": args.dropout,
            "steps": args.steps, "warmup_steps": WARMUP, "omp_threads_per_process": threads,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "target_scaling": 1.8,
-           "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "setup_s": round(time.time() - start, 1), "worlds": {}}
     for world in worlds:
         row = measure(world, write_config(args, model_dir, data, work, world), work, threads, args.timeout_s,
                       Path(args.profile_dir) if args.profile_dir else None)
         out["worlds"][str(world)] = row
         compare(out)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")  # after every run: a partial result survives
+        run_file.write(out)  # after every run: a partial result survives
         print(f"[multi-gpu] {world} process(es): {row.get('per_process_batch')} per process, global batch "
               f"{row.get('global_batch')} | {row.get('median_step_s') or float('nan'):.3f} s/step | "
               f"{row.get('tokens_per_s') or 0:,.0f} tok/s | x{row.get('scaling') or 1:.2f} | peak GiB per device "
@@ -246,10 +246,10 @@ def main() -> None:
         if row["returncode"] != 0:
             print("    " + row.get("error_tail", "")[-1500:].replace("\n", "\n    "), flush=True)
     out["total_s"] = round(time.time() - start, 1)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    path = run_file.write(out)
     print(f"[multi-gpu] scaling at 2 GPUs: {out.get('scaling_2_gpus')} (target {out['target_scaling']}); "
           f"losses max rel diff {out['worlds'].get('2', {}).get('loss_max_rel_diff')}; {out['total_s']} s in all; "
-          f"wrote {args.out}")
+          f"wrote {path}")
 
 
 if __name__ == "__main__":

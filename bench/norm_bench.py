@@ -3,14 +3,13 @@ walking its rows) against fast.frozen_norms (liger's fused add + RMSNorm backwar
 at the TinyLlama shape's hidden size. Times are CUDA-event medians of 10 calls back to back (ms a call); `bytes_ms`
 is what the tensors each call reads and writes take at the GPU's measured copy speed.
 
-    python bench/norm_bench.py --out results.json     # on the device; prints a table last
+    python bench/norm_bench.py --out-dir $OUT     # on the device: a run file (bench/run_file.py); a table last
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from nb_helpers.fast import frozen_norms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora_dropout_bench import median_ms  # noqa: E402
+from run_file import RunFile, add_out_dir  # noqa: E402
 
 
 def copy_gbs() -> float:
@@ -63,13 +63,14 @@ def one_shape(rows: int, cols: int, dtype, gbs: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     args = parser.parse_args()
+    run_file = RunFile("norm", out_dir=args.out_dir, out=args.out)
     gbs = copy_gbs()
     rows = [one_shape(n, 2048, torch.bfloat16, gbs) for n in (16384, 4096)]
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": gbs, "results": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {run_file.write(out)}")
     print(f"copy speed {gbs:.0f} GB/s")
     for r in rows:
         print(f"{r['rows']:6d} rows: liger rms bwd {r['liger_rms_backward_ms'] * 1e3:6.1f} us, liger add bwd "

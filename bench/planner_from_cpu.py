@@ -4,16 +4,15 @@ plan_for_config on a RunConfig with the point's knobs (no PlanInput written by h
 machine's installed packages). Beside it, the same plan without the GPU extras (what the planner assumed before
 issue 26 on a machine without liger-kernel).
 
-    python bench/planner_from_cpu.py     # writes bench/results/planner_from_cpu.json, prints the worst and mean error
+    python bench/planner_from_cpu.py     # a run file of kind "planner-from-cpu"; prints the worst and mean error
 
-Points: bench/results/planner_validation.json rows measured on the current path (lean, no mask, fused kernels,
+Points: the newest "planner-validation" run file's rows (bench/planner_report.py) measured on the current path (lean, no mask, fused kernels,
 expandable segments; graphs and offloaded checkpoints as each row ran). Rows of paths since removed (the old
 prepare_model_for_kbit path, offload without overlap, levers alone) are left out and counted.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from build_tinyllama_shape import shape_config  # noqa: E402
+from run_file import RunFile, add_out_dir, newest  # noqa: E402
 
 from nb_helpers.config import RunConfig  # noqa: E402
 from nb_helpers.plan.planner import Shape, plan_for_config  # noqa: E402
@@ -51,7 +51,7 @@ def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:
     absmax kept decoded: call 45; the recompute's weights kept: call 49; the LoRA products reused: call 55) is planned
     with it off, as a learner who turns it off plans it (NB_FASTPATH)."""
     shape = Shape.from_config(shape_config(row["shape"]), name=row["shape"])
-    lever = ",".join(f"{name}=0" for name in ("dropout_kernels", "absmax_once", "keep_dequantized", "down_once")
+    lever = ",".join(f"{name}=0" for name in ("dropout_kernels", "absmax_once", "down_once")
                      if not row["path"].get(name))
     with patch.dict(os.environ, {"NB_FASTPATH": lever}):
         return plan_for_config(config_of(row), shape, context_gib=row["context_gib"], gpu_capability=(9, 0),
@@ -62,8 +62,12 @@ def error_pct(predicted: float, measured: float) -> float:
     return round(100 * (predicted - measured) / measured, 1)
 
 
+def validation_points() -> list[dict]:
+    return newest("planner-validation")["results"]["points"]
+
+
 def rows() -> list[dict]:
-    points = json.loads((ROOT / "bench" / "results" / "planner_validation.json").read_text())
+    points = validation_points()
     out = []
     for r in filter(on_current_path, points):
         cpu, without = planned_from_cpu(r), planned_from_cpu(r, gpu_extras=False)
@@ -75,17 +79,22 @@ def rows() -> list[dict]:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_dir(parser)
+    args = parser.parse_args()
+    run_file = RunFile("planner-from-cpu", out_dir=args.out_dir, device="cpu")
     points = rows()
     errors = [abs(p["error_pct"]) for p in points]
     old = [abs(p["without_gpu_extras_error_pct"]) for p in points]
-    skipped = len(json.loads((ROOT / "bench" / "results" / "planner_validation.json").read_text())) - len(points)
-    result = {"command": "python bench/planner_from_cpu.py", "gpu": "NVIDIA H200 (measured); planned on a CPU",
-              "points": len(points), "skipped_other_paths": skipped,
+    skipped = len(validation_points()) - len(points)
+    result = {"gpu": "NVIDIA H200 (measured); planned on a CPU", "points": len(points), "skipped_other_paths": skipped,
               "worst_abs_error_pct": max(errors), "mean_abs_error_pct": round(statistics.mean(errors), 2),
               "without_gpu_extras": {"worst_abs_error_pct": max(old), "mean_abs_error_pct": round(statistics.mean(old), 2),
                                      "beyond_10_pct": sum(e > 10 for e in old)},
               "rows": points}
-    (ROOT / "bench" / "results" / "planner_from_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {run_file.write(result)}")
     print(f"{len(points)} GPU points on today's path ({skipped} of other paths left out), planned from this CPU:")
     print(f"  with the GPU extras assumed: worst {max(errors):.1f}%, mean {statistics.mean(errors):.2f}%")
     print(f"  without them (before):       worst {max(old):.1f}%, mean {statistics.mean(old):.2f}%, "

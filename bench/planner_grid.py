@@ -3,10 +3,11 @@
 Each point is a real `python -m nb_helpers train` run (the user's path) on a random-weight model shape, under an
 emulated budget, for a few optimizer steps. The peak is read the two ways the issue asks for: NVML's device "used"
 minus the baseline before the process touched CUDA (context included, sampled every step) and PyTorch's
-max_memory_reserved. Rows are written to --out as JSON lines as they finish, so a time limit loses nothing.
+max_memory_reserved. Rows are written to a run file (bench/run_file.py) as they finish, so a time limit loses
+nothing, and with --out also appended to that file as JSON lines.
 
-    python bench/planner_grid.py --points all --out /tmp/grid.jsonl
-    python bench/planner_grid.py --points f1,f2,f6,f7 --out bench/results/raw/grid5-families.jsonl
+    python bench/planner_grid.py --points all --out-dir $OUT       # on the lent device; cp back into runs/
+    python bench/planner_grid.py --points f1,f2,f6,f7 --out /tmp/grid.jsonl
 
 Shapes are built once per machine under /tmp/shape-<name> (bench/build_tinyllama_shape.py), any family it knows.
 """
@@ -25,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import add_out_dir  # noqa: E402
 
 QKVO = "q_proj,k_proj,v_proj,o_proj"
 # (id, shape, seq, micro-batch, accumulation, rank, targets, gradient checkpointing, budget GiB)
@@ -226,21 +229,31 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--points", default="all",
                         help="comma list of point ids, all, holdout, lean, families, graphed, cards26, or autofit")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="also append the rows to this JSON lines file")
+    add_out_dir(parser)
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per point (more: a step time too)")
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     args = parser.parse_args()
     from build_tinyllama_shape import shape_dir
+    from run_file import RunFile
 
     work = Path(tempfile.mkdtemp(prefix="grid-"))
+    run_file = RunFile("planner-grid", out_dir=args.out_dir)
+    result = {"points": args.points, "steps": args.steps, "rows": []}
+
+    def keep(row: dict) -> None:
+        result["rows"].append(row)
+        run_file.write(result)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
     if args.points == "autofit":
         model_dir = shape_dir("tinyllama-1.1b")
         for pid, seq, extra in AUTOFIT:
             row = run_point((pid, "tinyllama-1.1b", seq, 1, 8, 8, QKVO, True, 4), model_dir, work,
                             steps=AUTOFIT_STEPS, overrides={k: v for k, v in extra.items()
                                                             if k not in ("micro_batch_size", "grad_accum", "gradient_checkpointing")})
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            keep(row)
             print(f"[autofit] {pid:<16} b{row.get('chosen_batch')}x{row.get('chosen_accum')} gc={row.get('chosen_gc')} "
                   f"{row.get('summary_median_step_s') or float('nan'):.3f} s/step {row.get('tokens_per_s') or 0:.0f} tok/s "
                   f"device {row.get('measured_gib', float('nan')):.2f} GiB rc={row['returncode']}", flush=True)
@@ -262,8 +275,7 @@ def main() -> None:
             break
         shape = point[1]
         row = run_point(point, shape_dir(shape), work, steps=args.steps)
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        keep(row)
         print(f"[grid] {row['id']:<4}{shape:<16}seq {point[2]:>5} b{point[3]}x{point[4]} r{point[5]:<3}"
               f"{point[6][:10]:<11}gc={int(point[7])} -> device {row.get('measured_gib', float('nan')):.3f} "
               f"reserved {row.get('reserved_gib', float('nan')):.3f} alloc {row.get('allocated_gib', float('nan')):.3f}"

@@ -1,7 +1,8 @@
-"""Turn the raw GPU measurements (bench/results/raw/*.jsonl, from bench/planner_grid.py) into
-bench/results/planner_validation.json and the README table, with the planner's prediction for every point.
+"""Turn the GPU measurements (bench/results/raw/*.jsonl from bench/planner_grid.py and bench/step_time.py, the
+throughput runs, and the run files of those scripts) into a run file of kind "planner-validation" (bench/run_file.py):
+the planner's prediction beside every measured peak. bench/summarize.py puts its errors in bench/RESULTS.md.
 
-    python bench/planner_report.py            # rewrites the JSON, prints the markdown table and the worst error
+    python bench/planner_report.py            # a new run file in bench/results/runs/; prints a table and the worst error
 
 The prediction uses each point's measured CUDA context (0.60 GiB on the H200) and compute capability 9.0, as
 `python -m nb_helpers plan` does on that GPU. Measured = the highest NVML device "used" delta over the steps
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from build_tinyllama_shape import SHAPES  # noqa: E402
+from run_file import RunFile, add_out_dir, load_runs, migrated_workloads  # noqa: E402
 
 from nb_helpers.plan.planner import ALL_LINEAR, QKVO, PlanInput, Shape, plan  # noqa: E402
 
@@ -43,6 +45,7 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
              "grid6-graphed.jsonl": "graphed layers, grid (held out)",
              # the five points call 12's deadline cut, run in call 13 (2026-12-01, 7839746): held out too
              "grid7-graphed.jsonl": "graphed layers, grid (held out, call 13)"}
+# Old aggregates are read back from the run files bench/split_results.py made of them (run_file.migrated_workloads).
 # throughput.json: the runs of its latest call (2026-12-01, call 24: auto-fit, and the reference's 1 x 8 set by hand,
 # batches padded to 64 tokens; held out), and under "earlier" those of call 20 and of calls 15 and 16 (auto-fit, the
 # 1 x 8 set by hand, eager and graphed; held out), of calls 11 and 12 (CUDA-graphed layers; the graph
@@ -54,6 +57,10 @@ LEAN_GRID = {"grid4-lean.jsonl": "lean path, grid (call 2)",
 # offloaded checkpoints as each run's log says.
 STEP_TIME = {"step_time-call28-838da76.jsonl": "step-time runs (issue 26, call 28, held out)",
              "step_time-call29-838da76.jsonl": "step-time runs (issue 26, call 29, held out)"}
+NEW_STEP_TIME = "step-time runs (held out)"  # every run file of bench/step_time.py: the planner is not fitted on them
+# bench/planner_grid.py's run files (bench/results/runs/<name>.json) -> their role, and whether its GC points ran as
+# CUDA graphs (as grid6/grid7 did); a new grid joins the report here
+GRID_RUNS: dict[str, tuple[str, bool]] = {}
 THROUGHPUT = {"throughput.json": ("throughput runs, padded batches (call 24, held out)", True, None),
               "throughput-levers.json": ("lean path, lever runs (call 2)", True, None),
               # call 11's 8 x 2048 runs (throughput.json holds call 12's there): fitted on too
@@ -165,7 +172,6 @@ def flags(fast: str | None, expandable_default: bool, log: list[str] | None = No
                 offload=offload, offload_overlap=overlap, graphs=graphs and "graphs" not in off,
                 dropout_kernels=bool((ran or {}).get("dropout_kernels")),
                 absmax_once=bool((ran or {}).get("absmax_once")),
-                keep_dequantized=bool((ran or {}).get("keep_dequantized")),
                 down_once=bool((ran or {}).get("down_once")))
 
 
@@ -185,20 +191,29 @@ def rows():
             r = json.loads(line)
             if r["returncode"] == 0:  # the graphed grid ran with fixed settings: every GC point as graphs
                 yield role, r, flags(None, True, graphs=name.startswith(("grid6", "grid7")) and r["gc"])
-    for name, role in STEP_TIME.items():
-        for line in (RAW / name).read_text().splitlines():
+    for name, (role, graphs) in GRID_RUNS.items():
+        for r in json.loads((RESULTS / "runs" / name).read_text())["results"]["rows"]:
+            if r["returncode"] == 0:
+                yield role, r, flags(None, True, graphs=graphs and r["gc"])
+    step_time = [(role, (RAW / name).read_text().splitlines()) for name, role in STEP_TIME.items()]
+    step_time += [(NEW_STEP_TIME, [json.dumps(r) for r in run["results"]["rows"]]) for run in load_runs("step-time")]
+    for role, lines in step_time:
+        for line in lines:
             r = json.loads(line)
             if r["returncode"] == 0 and r.get("measured_gib"):
                 yield role, r, flags(None, True, r.get("log") or [])
     for name, (role, expandable, only, *runs) in THROUGHPUT.items():
-        data = json.loads((RESULTS / name).read_text())
-        workloads = {k: v for k, v in data["workloads"].items() if only is None or k in only}
+        if name.startswith("raw/"):
+            workloads = json.loads((RESULTS / name).read_text())["workloads"]
+        else:  # an old aggregate's top level
+            workloads = migrated_workloads(name)
+        workloads = {k: v for k, v in workloads.items() if only is None or k in only}
         suffix = "@" + name.split("-")[1] if name.startswith("raw/") else ""  # raw/throughput-callN-...: @callN
         yield from throughput_rows(workloads, role, expandable, suffix, runs=runs[0] if runs else None)
-        for key, (earlier_role, before_overlap) in EARLIER.items():
-            if key in data.get("earlier", {}):
-                yield from throughput_rows(data["earlier"][key]["workloads"], earlier_role, expandable, f"@{key}",
-                                           before_overlap)
+        if name == "throughput.json":  # and the records it kept under "earlier"
+            for key, (earlier_role, before_overlap) in EARLIER.items():
+                yield from throughput_rows(migrated_workloads(name, f"earlier/{key}"), earlier_role, expandable,
+                                           f"@{key}", before_overlap)
 
 
 def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, before_overlap: bool = False,
@@ -220,6 +235,12 @@ def throughput_rows(workloads: dict, role: str, expandable: bool, suffix: str, b
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_dir(parser)
+    args = parser.parse_args()
+    run_file = RunFile("planner-validation", out_dir=args.out_dir, device="cpu")
     out = []
     for role, r, path in rows():
         shape = Shape.from_config(SHAPES[r["shape"]], name=r["shape"])
@@ -237,8 +258,7 @@ def main() -> None:
                                                           ("context", "runtime", "optimizer_paged", "allocator")) / 2**30, 3),
                         context_gib=round(r["context_gib"], 3), peak_phase=p.peak_phase,
                         path={k: v for k, v in path.items()}))
-    path = ROOT / "bench" / "results" / "planner_validation.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {run_file.write({'measured_on': 'NVIDIA H200', 'points': out})}")
     print("| id | set | shape | seq | batch×accum | rank | targets | GC | predicted GiB | measured GiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for o in [o for o in out if o["set"].startswith(("lean", "families", "graphed"))]:

@@ -2,15 +2,14 @@
 that make them fit. One fresh process per point (bench/throughput.py's worker, the same measurement), random-weight
 models of the real shapes built on the device, effective batch 8 sequences, r=8 on q,k,v,o.
 
-    python bench/reach.py                          # every point, writes bench/results/reach.json
+    python bench/reach.py                          # every point: a run file in bench/results/runs/
     python bench/reach.py --only qwen3-4b-2048-1x8-offload --out /tmp/r.json
-    python bench/reach.py --predict-from bench/results/raw/reach-call1.json   # the planner beside measured points
+    python bench/reach.py --predict-from FILE --out FILE2   # the planner beside the points of a raw or run file
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -23,12 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from throughput import summarize, versions  # noqa: E402
+from run_file import RunFile, add_out_dir  # noqa: E402
+from throughput import summarize  # noqa: E402
 
 # name: shape, sequence length, micro-batch, accumulation, fast-path levers (None: the default path)
 POINTS = [
     ("tinyllama-1.1b", 16384, 1, 8, "offload=1"),
-    # (bench/results/reach.json also holds 24,576 tokens with ordered offload copies, a lever since removed)
+    # (the committed reach run, bench/RESULTS.md, also holds 24,576 tokens with ordered offload copies, a lever since
+    # removed)
     ("qwen3-1.7b", 8192, 1, 8, "offload=1"),
     ("qwen3-4b", 2048, 1, 8, "offload=1"),
     ("qwen3-4b", 2048, 1, 8, None),
@@ -61,6 +62,9 @@ def predict(row: dict, context_gib: float) -> float:
 
 
 def with_predictions(raw: dict, context_gib: float) -> dict:
+    if "results" in raw:  # a run file: the points are its results
+        raw["results"] = with_predictions(raw["results"], context_gib)
+        return raw
     for row in raw["points"]:
         row["predicted_gib"] = round(predict(row, context_gib), 3)
         if row.get("peak_device_gib"):
@@ -74,15 +78,18 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma list of point names")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per point (3 warm-up)")
     parser.add_argument("--budget", type=float, default=4.0)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reach.json"))
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--predict-from", default=None, help="a raw result file: add the planner's predictions only")
     parser.add_argument("--context-gib", type=float, default=0.601, help="CUDA context for --predict-from")
     args = parser.parse_args()
     if args.predict_from:
+        if not args.out:
+            parser.error("--predict-from needs --out (the file with the predictions added)")
         raw = with_predictions(json.loads(Path(args.predict_from).read_text()), args.context_gib)
         Path(args.out).write_text(json.dumps(raw, indent=1) + "\n")
-        for row in raw["points"]:
+        for row in raw.get("results", raw)["points"]:
             print(f"{row['name']:<40} measured {row.get('peak_device_gib') or float('nan'):.2f} GiB "
                   f"predicted {row['predicted_gib']:.2f} GiB {row.get('error_pct', '')}")
         return
@@ -93,9 +100,8 @@ def main() -> None:
     keep = set(args.only.split(",")) if args.only else None
     import torch
 
-    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "versions": versions(),
-           "budget_gib": args.budget, "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-           "points": []}
+    run_file = RunFile("reach", out_dir=args.out_dir, out=args.out)
+    out = {"gpu": torch.cuda.get_device_name(0), "budget_gib": args.budget, "points": []}
     for shape, seq, batch, accum, fast in POINTS:
         name = point_name(shape, seq, batch, accum, fast)
         if keep and name not in keep:
@@ -135,8 +141,8 @@ def main() -> None:
               f"{row.get('tokens_per_s') or 0:8.0f} tok/s {row['wall_s']}s", flush=True)
         if proc.returncode != 0:
             print("    " + row["error_tail"][-500:].replace("\n", "\n    "), flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        run_file.write(out)  # after every point
+    print(f"wrote {run_file.write(out)}")
 
 
 if __name__ == "__main__":

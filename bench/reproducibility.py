@@ -1,7 +1,7 @@
 """Two CPU runs with the same seed: do their losses agree step for step, and if not, why not?
 
-    python bench/reproducibility.py                     # every pair below, writes bench/results/reproducibility.json
-    python bench/reproducibility.py --only default-avx2  # some variants only (they replace those rows in the file)
+    python bench/reproducibility.py                     # every pair below: a run file in bench/results/runs/
+    python bench/reproducibility.py --only default-avx2  # some variants only (a run file of their pairs)
 
 Each run is what `NB_CI=1 python -m nb_helpers train --set ...` runs, in a fresh process (the CPU profile shrunk: the
 embedded SmolLM2-135M, batch 2 x 2, 192 tokens, bf16 where the CPU has bf16 units), --steps optimizer steps, no
@@ -20,17 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from cpu_bench import cpu_model  # bench/ is on the path when this script runs
+from run_file import RunFile, add_out_dir, load_runs  # bench/ is on the path when this script runs
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "reproducibility.json"
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 UNSEEDED = {"unseed_lora_init": True}
@@ -113,7 +111,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps per run")
     parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="these variants (default: all)")
-    parser.add_argument("--output", default=str(RESULTS))
+    parser.add_argument("--output", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -121,23 +120,20 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
-    from nb_helpers.summary import package_versions
-
-    output = Path(args.output)
-    previous = json.loads(output.read_text()) if output.exists() else {}
-    rows = {row["variant"]: row for row in previous.get("pairs", [])}
+    run_file = RunFile("reproducibility", out_dir=args.out_dir, out=args.output, device="cpu")
+    # a variant compared with another's first run (threads1 with default) finds it in this run or the newest before
+    before = {row["variant"]: row for run in load_runs("reproducibility") for row in run["results"]["pairs"]}
+    rows, done = dict(before), {}
     for name in args.only or list(VARIANTS):
-        row = rows[name] = run_pair(name, args.steps, rows)
+        row = rows[name] = done[name] = run_pair(name, args.steps, rows)
         print(f"{name:<12} max relative loss difference {row['max_relative_loss_difference']:.2%}, identical "
               f"{row['identical']} ({', '.join(str(r['seconds']) for r in row['runs'])} s a run)", flush=True)
-        result = {"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cpu": cpu_model(),
-                  "cores": os.cpu_count(), "versions": package_versions(),
-                  "command": "NB_CI=1 python -m nb_helpers train --set max_steps=STEPS --set task_eval_samples=0 "
-                             "--set eval_steps=0 --set max_eval_samples=2 --set save_steps=10000",
-                  "pairs": [rows[n] for n in VARIANTS if n in rows]}
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(result, indent=2) + "\n")  # after each pair: a long bench keeps what it measured
-    print(f"wrote {output}")
+        result = {"train_command": "NB_CI=1 python -m nb_helpers train --set max_steps=STEPS --set "
+                                  "task_eval_samples=0 --set eval_steps=0 --set max_eval_samples=2 --set "
+                                  "save_steps=10000",
+                  "pairs": [done[n] for n in VARIANTS if n in done]}
+        run_file.write(result)  # after each pair: a long bench keeps what it measured
+    print(f"wrote {run_file.path}")
     return 0
 
 

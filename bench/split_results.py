@@ -5,6 +5,8 @@ were made; git keeps the aggregates it read.
     python bench/split_results.py            # writes the run files, prints what came from where
     python bench/split_results.py --check    # only says how many files it would write
 
+It ran once; the aggregates were deleted right after (git keeps them).
+
 throughput.json held one record per device call in several places: its top level and `earlier` (whole
 bench/throughput.py outputs, some joining two calls: split by the call each workload names), `spread` (the
 reference's and our tokens/s per call), `turing` (the GTX 1650 card emulated), and a section per piece of work with
@@ -109,6 +111,20 @@ def raw_runs() -> dict[int, list[dict]]:
         found.setdefault(calls[0], []).append({"file": f"bench/results/raw/{name}", **{
             k: data.get(k) for k in ("date", "command", "driver", "versions", "gpu")}})
     return found
+
+
+def same_figures(workloads: dict) -> dict | None:
+    """The raw bench/throughput.py output whose runs hold these very tokens/s figures (floats to the last digit)."""
+    ours = {r.get("tokens_per_s") for w in workloads.values() for r in (w.get("runs") or {}).values()
+            if isinstance(r, dict) and isinstance(r.get("tokens_per_s"), float)}
+    for path in sorted(RAW.glob("*throughput*.json")):
+        data = json.loads(path.read_text())
+        theirs = {r.get("tokens_per_s") for w in (data.get("workloads") or {}).values()
+                  for r in (w.get("runs") or {}).values() if isinstance(r, dict)}
+        if ours and ours & theirs:
+            return {"file": f"bench/results/raw/{path.name}", **{k: data.get(k) for k in ("command", "driver",
+                                                                                          "versions")}}
+    return None
 
 
 def raw_commits() -> dict[int, str]:
@@ -382,6 +398,10 @@ class Throughput:
         before.note("the shipped data measured in the session before the fused QLoRA layers (13.96x), "
                     "recorded under the first day's results")
         before.note(f"measured at: {record['measured_at_commit']['shipped_before_fused_lora']}")
+        before.commands.append("python bench/throughput.py --workloads shipped")
+        before.header.update(raw_outputs=["bench/results/raw/throughput-shipped-call4.log"],
+                             command_from="not recorded: its raw log shows bench/throughput.py's two shipped-data "
+                                          "runs (reference, ours) and nothing else")
         date = first_seen('"shipped_before_fused_lora"')
         before.date, before.date_from = date, "git: the day the record was first committed"
 
@@ -401,6 +421,14 @@ class Throughput:
             if not call.commit and call.number in self.raw_commits:
                 call.commit = self.raw_commits[call.number]
                 call.header["commit_from"] = "the name of a raw file of the same call"
+            if not call.commands:  # a record without its call's number: the raw output holding its very figures
+                found = same_figures(call.workloads)
+                if found:
+                    call.commands = [found["command"]]
+                    call.driver, call.versions = call.driver or found.get("driver"), call.versions or found.get(
+                        "versions")
+                    call.header.setdefault("raw_outputs", [found["file"]])
+                    call.header["command_from"] = "the raw output holding the same figures"
             if not call.commands and call.mentioned_commands:
                 call.commands = call.mentioned_commands
             else:
@@ -433,7 +461,8 @@ def throughput_runs() -> tuple[list[dict], list[str]]:
             versions=call.versions, results=results, notes=call.notes,
             migrated_from={"file": THROUGHPUT, "records": list(dict.fromkeys(call.records)),
                            "date_from": call.date_from, "raw_outputs": call.header.get("raw_outputs", []),
-                           **{k: call.header[k] for k in ("commit_from", "measured_at") if k in call.header}},
+                           **{k: call.header[k] for k in ("commit_from", "command_from", "measured_at")
+                              if k in call.header}},
             order=call.number or 0))
     return out, split.unplaced
 
@@ -539,6 +568,9 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(RUNS))
     parser.add_argument("--check", action="store_true", help="write nothing, print what would be written")
     args = parser.parse_args()
+    if not (RESULTS / "throughput.json").exists():
+        sys.exit("the aggregates were split into bench/results/runs/ and deleted; git keeps them: check "
+                 "bench/results/*.json out from the commit before the one that deleted them to run this again")
     tp, unplaced = throughput_runs()
     # the order within a day: throughput.json's calls by number, the lever runs (call 2 of their day) among them
     runs = tp + other_runs()

@@ -4,10 +4,11 @@ Each point is `nb_helpers.training.train` (the user's path) in a fresh process, 
 an emulated budget, for a few optimizer steps: 3 warm-up steps, the median of the next ones (wall time, synchronized)
 and one profiled step at the end (torch.profiler: the union of kernel and copy intervals, and the kernel time by
 kind: matmul, attention, dequantize, copy, other). The peak memory is read as bench/planner_grid.py reads it, so
-the same rows validate the planner. Rows go to --out as JSON lines as they finish.
+the same rows validate the planner. The rows go to a run file (bench/run_file.py) as they finish, and with --out
+also to that file as JSON lines.
 
-    python bench/step_time.py --points fit,cards26 --out bench/results/raw/step_time-call<N>-<commit>.jsonl
-    python bench/step_time_report.py      # every raw step_time-*.jsonl: predicted against measured
+    python bench/step_time.py --points fit,cards26 --out-dir $OUT     # on the lent device; cp back into runs/
+    python bench/step_time_report.py      # every step-time run file and raw step_time-*.jsonl: predicted against measured
 
 FIT points set the time model's constants (nb_helpers/plan/step_time.py); the CARDS26 points of bench/planner_grid.py
 (six families, 256 to 4,096 tokens, r 8 to 32, GC on and off) are held out to validate it.
@@ -28,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import add_out_dir  # noqa: E402
 
 from planner_grid import CARDS26, QKVO, peak_memory, write_rows  # noqa: E402
 
@@ -111,7 +114,8 @@ def measure(point, model_dir: Path, work: Path, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", default="fit,cards26", help="comma list of sets (fit, cards26) or point ids")
-    parser.add_argument("--out", help="JSON lines file the rows are appended to")
+    parser.add_argument("--out", help="also append the rows to this JSON lines file")
+    add_out_dir(parser)
     parser.add_argument("--steps", type=int, default=WARMUP + 4, help="optimizer steps per point (the last profiled)")
     parser.add_argument("--deadline-s", type=float, default=540, help="start no new point after this many seconds")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -119,9 +123,11 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
-    if not args.out:
-        parser.error("--out is required")
     from build_tinyllama_shape import shape_dir
+    from run_file import RunFile
+
+    run_file = RunFile("step-time", out_dir=args.out_dir)
+    result = {"points": args.points, "steps": args.steps, "rows": []}
 
     pool = {p[0]: p for points in SETS.values() for p in points}
     chosen = [p for name in args.points.split(",") for p in (SETS.get(name) or [pool[name]])]
@@ -131,8 +137,11 @@ def main() -> None:
             print(f"[step-time] deadline: {point[0]} and later points not run", flush=True)
             break
         row = measure(point, shape_dir(point[1]), work, args.steps)
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        result["rows"].append(row)
+        run_file.write(result)  # after every point: a time limit loses nothing
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
         busy = row.get("busy") or {}
         print(f"[step-time] {row['id']:<4}{point[1]:<15}{point[2]:>5} b{point[3]}x{point[4]} gc={int(point[7])} "
               f"{row.get('median_step_s') or float('nan'):.3f} s/step busy {busy.get('busy_s') or float('nan'):.3f} s "

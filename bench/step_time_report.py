@@ -1,9 +1,9 @@
 """The time model (nb_helpers/plan/step_time.py) against the H200's measured step and GPU-busy times.
 
-    python bench/step_time_report.py           # validate the module's constants; writes bench/results/step_time.json
+    python bench/step_time_report.py           # validate the module's constants: a run file of kind "step-time-model"
     python bench/step_time_report.py --fit     # also fit them again from the FIT points and print them
 
-Rows: bench/results/raw/step_time-*.jsonl (bench/step_time.py). The constants are fitted on the FIT points (s1-s8,
+Rows: bench/results/raw/step_time-*.jsonl and the "step-time" run files (bench/step_time.py). The constants are fitted on the FIT points (s1-s8,
 TinyLlama, Llama-3.2-1B, SmolLM2 and Qwen3 shapes, graphed and eager) plus c14, the one point with sliding-window
 attention (no FIT point had it), and validated on the other CARDS26 points, which no constant saw. Each kind of GPU
 time is fitted apart, on the kernel time the profiler gave that kind (non-negative least squares); the host's
@@ -27,19 +27,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from build_tinyllama_shape import shape_config  # noqa: E402
 from planner_report import flags  # noqa: E402
+from run_file import RunFile, add_out_dir, load_runs  # noqa: E402
 
 from nb_helpers.plan import step_time as st  # noqa: E402
 from nb_helpers.plan.architecture import Shape  # noqa: E402
 from nb_helpers.plan.planner import PlanInput  # noqa: E402
 
 FIT_IDS = {"s1", "s2", "s3", "s4", "s5", "s6", "s7", "s8", "c14"}
-RESULT = ROOT / "bench" / "results" / "step_time.json"
 
 
 def load_rows() -> list[dict]:
     rows = []
     for path in sorted(glob.glob(str(ROOT / "bench" / "results" / "raw" / "step_time-*.jsonl"))):
         rows += [dict(json.loads(line), source=Path(path).name) for line in Path(path).read_text().splitlines()]
+    for run in load_runs("step-time"):
+        rows += [dict(row, source=Path(run["file"]).name) for row in run["results"]["rows"]]
     return [r for r in rows if r.get("busy") and r.get("median_step_s")]
 
 
@@ -52,14 +54,11 @@ def plan_input(row: dict) -> tuple[Shape, PlanInput]:
                             offload=bool(chosen.get("offload_checkpoints")), graphs=bool(chosen.get("cuda_graphs")),
                             dead_tail=bool((row.get("fast_levers") or {}).get("dead_tail")),  # from device call 31
                             absmax_once=bool((row.get("fast_levers") or {}).get("absmax_once")),  # from call 45
-                            keep_dequantized=bool((row.get("fast_levers") or {}).get("keep_dequantized")),
                             dropout_kernels=bool((row.get("fast_levers") or {}).get("dropout_kernels")),
                             no_recompute_layers=row.get("no_recompute_layers") or 0,
                             down_once=bool((row.get("fast_levers") or {}).get("down_once")),
                             one_token_count=bool((row.get("fast_levers") or {}).get("one_token_count")),  # call 60
                             frozen_norms=bool((row.get("fast_levers") or {}).get("frozen_norms")),  # call 63
-                            nf4_in_graphs=bool((row.get("fast_levers") or {}).get("nf4_in_graphs")),  # call 65
-                            qkv_once=bool((row.get("fast_levers") or {}).get("qkv_once")),  # call 71
                             saved_attention=bool((row.get("fast_levers") or {}).get("saved_attention")))  # call 73
 
 
@@ -199,8 +198,8 @@ def validate(rows: list[dict]) -> dict:
             "predicted_by_kind_s": {k: round(v, 5) for k, v in predicted.gpu_by_kind_s.items()}})
     held = [p for p in points if p["held_out"]]
     return {"gpu": "NVIDIA H200", "held_out_points": len(held), "fit_points": len(points) - len(held),
-            "held_out": error_summary(held), "command": "python bench/step_time.py --points fit,cards26 (two device "
-            "calls); python bench/step_time_report.py", "points": points}
+            "held_out": error_summary(held), "measured_with": "python bench/step_time.py --points fit,cards26",
+            "points": points}
 
 
 def error_summary(points: list[dict]) -> dict:
@@ -228,16 +227,18 @@ def print_fit(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", action="store_true", help="fit the constants again and print them")
+    add_out_dir(parser)
     args = parser.parse_args()
+    run_file = RunFile("step-time-model", out_dir=args.out_dir, device="cpu")
     rows = load_rows()
     if args.fit:
         print_fit([r for r in rows if r["id"] in FIT_IDS])
     result = validate(rows)
     changed = validate(throughput_rows())["points"]
-    result["changed_path"] = {"what": "issue 27's path (dead_tail) and its lever runs: bench/throughput.py's profiled "
-                              "runs of device calls 31-45 and 60-66, held out", "summary": error_summary(changed),
-                              "points": changed}
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    result["changed_path"] = {"what": "the GPU path since the recompute's dead product was skipped (dead_tail), and "
+                              "its lever runs: bench/throughput.py's profiled runs in CHANGED_PATH, held out",
+                              "summary": error_summary(changed), "points": changed}
+    print(f"wrote {run_file.write(result)}")
     for p in result["points"]:
         print(f"{p['id']:<4}{p['shape']:<16}{p['seq']:>5} {p['batch']}x{p['accum']} gc={int(p['gc'])} "
               f"{'graphs ' if p['graphs'] else ''}{'offload ' if p['offload'] else ''}"

@@ -18,14 +18,17 @@ for the reference and our default on every workload the GPU-busy microseconds pe
 (torch.profiler: the union of kernel and copy intervals, over that step's non-padding tokens; the time a GPU that
 is never idle would need). --turing adds the GTX 1650 card (cards.py) with auto-fit, bf16 against fp16.
 
-    python bench/throughput.py                       # writes bench/results/throughput.json, prints a table
-    python bench/throughput.py --workloads w512 --levers --out /tmp/t.json
+    python bench/throughput.py                       # a run file in bench/results/runs/, prints a table
+    python bench/throughput.py --workloads w512 --levers --out-dir $OUT     # on the lent device (copy back with cp)
+    python bench/throughput.py --workloads w512 --levers --out /tmp/t.json  # that file exactly
+
+The run file (bench/run_file.py) holds the command, versions, GPU and driver, commit and date, and under "results"
+every run's figures; `make results` puts the newest beside the reference in bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -38,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import RunFile, add_out_dir  # noqa: E402
 
 WARMUP = 3
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -120,7 +125,7 @@ def lever_runs(steps: int) -> list[dict]:
         # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner fits under
         # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB); slower
         run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
-        # (calls 58-59 also took out a lever `prefetch`, since removed: bench/NOTES.md)
+        # (calls 58-59 also took out a lever `prefetch`, since removed: their runs are in bench/results/runs/)
         # fifty-fifth device call: the recompute reuses its forward's LoRA products (lever down_once), taken out
         run("w2048", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
@@ -148,7 +153,7 @@ def lever_runs(steps: int) -> list[dict]:
         run("w2048", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
         # thirty-second device call: LoRA's dropout drawn inside its rank-r products by Triton kernels (commit
-        # 9fdf01b), taken out again as `no-dropout-kernels`: slower (bench/NOTES.md), removed
+        # 9fdf01b), taken out again as `no-dropout-kernels`: slower (its runs are in bench/results/runs/), removed
         # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again
         run("w2048", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
         run("w512", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
@@ -193,7 +198,7 @@ def lever_runs(steps: int) -> list[dict]:
         # fourth device call: checkpoints offloaded to CPU RAM, so that W2048 fits 8 x 1 (half the launches per token)
         run("w2048", "offload-8x1", 8, 1, fast="offload=1"),
         # third device call: where the host time goes (its compiled decoder layers, a lever since removed, are in
-        # bench/NOTES.md and bench/results/throughput-levers.json)
+        # bench/results/raw/throughput-call3-compile.json)
         run("w512", "host-profile-8x1", 8, 1, cprofile=True),
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
         # second device call: each lever added alone on top of the previous one, at 8 x 1
@@ -205,7 +210,7 @@ def lever_runs(steps: int) -> list[dict]:
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
         # first device call (before the expandable-segments lever existed). Levers measured and removed since
         # (compile, offload_sync, offload_overlap=0, selective_gc, adapters_fp32) keep their results in
-        # bench/results/throughput-levers.json and bench/NOTES.md
+        # bench/results/runs/ and bench/results/raw/
         run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
         run("w512", "lean-8x1-call1", 8, 1, fast="kernels=0,nomask=0"),
         run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
@@ -602,7 +607,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
     parser.add_argument("--steps", type=int, default=WARMUP + 10)
     parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "throughput.json"))
+    parser.add_argument("--out", default=None, help="write the run file exactly here (default: --out-dir)")
+    add_out_dir(parser)
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new run after this many seconds")
     parser.add_argument("--profile-step", type=int, default=None, help="profile this step (0-based) instead of the "
@@ -629,17 +635,9 @@ def main() -> None:
 
         build("tinyllama-1.1b", str(model_dir), ROOT / "data", max_positions=4096)  # the grid's long points too
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
-    out = {"gpu": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(), "versions": versions(),
-           "budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
-           "warmup_steps": WARMUP, "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-           "workloads": {}}
-    try:
-        import subprocess as sp
-
-        out["driver"] = sp.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    run_file = RunFile("throughput", out_dir=args.out_dir, out=args.out)  # command, versions, GPU, driver, commit
+    out = {"budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
+           "warmup_steps": WARMUP, "workloads": {}}
     keep = set(args.only.split(",")) if args.only else None
     workloads = args.workloads.split(",")
     plan = ([] if args.gains else [spec for workload in workloads for spec in main_runs(workload, args.steps)])
@@ -698,9 +696,10 @@ def main() -> None:
             print("    " + row["error_tail"][-600:].replace("\n", "\n    "), flush=True)
         entry["reference"], entry["ours"] = entry["runs"].get("reference"), entry["runs"].get("ours")
         entry["plain_vs_reference"] = plain_vs_reference(entry["runs"])
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print_table(out)
+        run_file.write(out)  # after every run: what a deadline or a kill leaves is kept
+    path = run_file.write(out)
+    print_table({**out, "gpu": run_file.header["machine"]["gpu"], "date": run_file.header["date"]})
+    print(f"wrote {path}")
 
 
 def plain_vs_reference(runs: dict) -> dict | None:
