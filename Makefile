@@ -12,7 +12,7 @@ export MPLCONFIGDIR := $(abspath $(VENV))/matplotlib
 # shows its sliders and panels instead of "Error displaying widget: model not found"
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
 
-.PHONY: setup run test test-unit test-notebooks test-browser lab env clean-notebooks
+.PHONY: setup run test test-unit test-notebooks test-browser lab env clean-notebooks results
 
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
 $(STAMP): requirements.txt requirements-stack.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
@@ -57,6 +57,11 @@ lab: setup
 
 env: setup
 	$(PY) -m nb_helpers env
+
+## make results: bench/results/latest.json and bench/RESULTS.md again, from the run files in bench/results/runs/
+## (the standard library only: no setup needed)
+results:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/summarize.py
 
 ## strip outputs and execution counts before committing a notebook
 clean-notebooks: setup

@@ -1,0 +1,459 @@
+"""What learners read, generated from the run files: bench/results/latest.json (the newest figure for each thing the
+README and the notebooks read) and bench/RESULTS.md (the same as tables). Both come from bench/results/runs/*.json
+only (bench/run_file.py), never edited by hand; tests/test_benchmarks.py fails when they differ from what this
+script writes.
+
+    python bench/summarize.py      # or `make results`
+
+Every figure names the machine, the date and the command that measured it. Commands are shown as run, without
+their output paths (--out, --out-dir, --trace: where a file went, not what was measured).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run_file import RESULTS, RUNS, load_runs  # noqa: E402
+
+LATEST = RESULTS / "latest.json"
+RESULTS_MD = ROOT / "bench" / "RESULTS.md"
+WORKLOADS = {"w512": "8 × 512 tokens", "w2048": "8 × 2048 tokens", "shipped": "the shipped data (~110 tokens a row)"}
+GTX1650 = {"bfloat16": "ours-bfloat16-gtx1650", "float16": "ours-float16-gtx1650"}
+SPREAD = "tokens per second, reference and ours"
+OUTPUT_FLAGS = re.compile(r"\s+--(?:out|out-dir|output|trace|gpu-trace)(?:=|\s+)\S+")
+ASIDE = re.compile(r"\s*\([^()]*\bcalls?\b[^()]*\)", re.I)  # "(call 31)", "(two device calls)": bookkeeping
+
+
+# --- reading the runs ---------------------------------------------------------------------------------------------
+def shown(command) -> str:
+    """The command as run, without its output paths; several invocations joined by "; "."""
+    commands = command if isinstance(command, list) else [command or "not recorded"]
+    return "; ".join(dict.fromkeys(ASIDE.sub("", OUTPUT_FLAGS.sub("", c)).strip() for c in commands))
+
+
+def machine(run: dict) -> str:
+    m = run.get("machine") or {}
+    if m.get("gpu"):
+        return f"{m['gpu_count']} × {m['gpu']}" if (m.get("gpu_count") or 1) > 1 else m["gpu"]
+    if m.get("cpu"):
+        return f"{m['cpu']}, {m['cores']} cores" if m.get("cores") else m["cpu"]
+    return (run.get("results") or {}).get("measured_on") or (run.get("results") or {}).get("gpu") or "not recorded"
+
+
+def source(run: dict) -> dict:
+    return {"machine": machine(run), "date": run["date"], "command": shown(run.get("command")), "run_file": run["file"]}
+
+
+def report_source(run: dict, measured_on: str) -> dict:
+    """A report (planner, time model): the GPU measured, the report computed its predictions where it ran."""
+    where = machine(run) if (run.get("machine") or {}).get("cpu") else None
+    return {**source(run), "machine": f"measured on {measured_on}" + (f", predicted on {where}" if where else "")}
+
+
+def runs_of(run: dict, workload: str) -> dict:
+    return ((run["results"].get("workloads") or {}).get(workload) or {}).get("runs") or {}
+
+
+def batch(record: dict) -> tuple:
+    if record.get("micro_batch") is not None:
+        return record["micro_batch"], record.get("accum")
+    found = re.match(r"(\d+) x (\d+)", record.get("micro_batch_x_accum") or "")
+    return (int(found.group(1)), int(found.group(2))) if found else (None, None)
+
+
+def side(record: dict) -> dict:
+    micro, accum = batch(record)
+    return {"micro_batch": micro, "accum": accum, "median_step_s": record.get("median_step_s"),
+            "tokens_per_s": record["tokens_per_s"], "peak_device_gib": record.get("peak_device_gib")}
+
+
+# --- each thing learners read ---------------------------------------------------------------------------------------
+def throughput(runs: list[dict]) -> dict:
+    """Per workload, the newest run with the reference and our default path, both measured in it."""
+    out, versions = {}, None
+    for workload, label in WORKLOADS.items():
+        for run in reversed(runs):
+            pair = runs_of(run, workload)
+            ref, ours = pair.get("reference") or {}, pair.get("ours") or {}
+            if ref.get("tokens_per_s") and ours.get("tokens_per_s"):
+                out[workload] = {"label": label, **source(run), "reference": side(ref), "ours": side(ours),
+                                 "ratio": ours["tokens_per_s"] / ref["tokens_per_s"]}
+                versions = versions or run.get("versions")
+                break
+    spread = {}
+    for workload in WORKLOADS:  # the reference's own speed over every run: it follows the host
+        seen = []
+        for run in runs:
+            ref = runs_of(run, workload).get("reference") or {}
+            pair = ((run["results"].get("summaries") or {}).get(SPREAD) or {}).get(workload) or {}
+            value = ref.get("tokens_per_s") or pair.get("reference_tokens_per_s")
+            if value:
+                seen.append(value)
+        if seen:
+            spread[workload] = {"min": min(seen), "max": max(seen), "runs": len(seen)}
+    newest = max(runs, key=lambda r: r["date"]) if runs else {}
+    return {"what": "the reference recipe (1 × 8, plain transformers + peft + TRL) against our default GPU path "
+                    "(auto-fit), both in the same run on one GPU; TinyLlama-1.1B shape with random weights, "
+                    "effective batch 8",
+            "budget_gib": (newest.get("results") or {}).get("budget_gib", 4.0), "versions": versions,
+            "workloads": out, "reference_range": spread}
+
+
+def plain_vs_reference(runs: list[dict]) -> dict:
+    """fast_path=False at the reference's 1 × 8 against the reference, the newest run that measured both."""
+    out = {}
+    for workload in WORKLOADS:
+        for run in reversed(runs):
+            entry = (run["results"].get("workloads") or {}).get(workload) or {}
+            same, r = entry.get("plain_vs_reference"), entry.get("runs") or {}
+            if same and r.get("ours-plain-1x8"):
+                out[workload] = {"label": WORKLOADS[workload], **source(run), **same,
+                                 "reference": side(r["reference"]), "plain": side(r["ours-plain-1x8"]),
+                                 "ours": side(r["ours"]) if (r.get("ours") or {}).get("tokens_per_s") else None,
+                                 "ours_1x8": side(r["ours-1x8"]) if (r.get("ours-1x8") or {}).get("tokens_per_s")
+                                 else None}
+                break
+    return out
+
+
+def gtx1650(runs: list[dict]) -> dict:
+    """The GTX 1650 card emulated on the H200 (its budget and capability; the H200's speed, not the card's)."""
+    out = {}
+    for workload in ("w512", "w2048"):
+        for dtype, name in GTX1650.items():
+            for run in reversed(runs):
+                r = runs_of(run, workload).get(name) or {}
+                if r.get("tokens_per_s"):
+                    losses = r.get("losses") or []
+                    out.setdefault(workload, {})[dtype] = {
+                        **source(run), **side(r), "gc": r.get("gc"), "steps": len(losses),
+                        "last_loss": losses[-1] if losses else None}
+                    break
+    return out
+
+
+def newest(runs: list[dict]) -> dict | None:
+    return runs[-1] if runs else None
+
+
+def cpu(run: dict | None) -> dict | None:
+    if not run:
+        return None
+    r = run["results"]
+    return {**source(run), "steps": r["steps"],
+            "rows": [{k: row.get(k) for k in ("isa_limit", "variant", "compute_dtype", "threads", "steps_done",
+                                             "stopped_after_s", "median_step_s", "tokens_per_s")} for row in r["rows"]]}
+
+
+def planner(validation: dict | None, from_cpu: dict | None) -> dict | None:
+    if not validation:
+        return None
+    points = validation["results"]["points"]
+    errors = [abs(p["error_pct"]) for p in points]
+    held = [abs(p["error_pct"]) for p in points if "held out" in p["set"] or p["set"].startswith("holdout")]
+    measured_on = validation["results"].get("measured_on", "NVIDIA H200")
+    out = {**report_source(validation, measured_on), "measured_on": measured_on,
+           "points": len(points), "shapes": len({p["shape"] for p in points}),
+           "worst_abs_error_pct": max(errors), "mean_abs_error_pct": round(statistics.mean(errors), 2),
+           "held_out_points": len(held), "held_out_worst_abs_error_pct": max(held) if held else None,
+           "held_out_mean_abs_error_pct": round(statistics.mean(held), 2) if held else None}
+    if from_cpu:
+        r = from_cpu["results"]
+        out["planned_from_cpu"] = {**report_source(from_cpu, measured_on), **{k: r[k] for k in (
+            "points", "skipped_other_paths", "worst_abs_error_pct", "mean_abs_error_pct", "without_gpu_extras")}}
+    return out
+
+
+def step_time(run: dict | None) -> dict | None:
+    if not run:
+        return None
+    r = run["results"]
+    out = {**report_source(run, r.get("gpu") or "NVIDIA H200"), "measured_on": r.get("gpu"), "fit_points": r["fit_points"],
+           "held_out_points": r["held_out_points"], "held_out": r["held_out"]}
+    if r.get("changed_path"):
+        out["later_runs"] = {"points": len(r["changed_path"]["points"]), **r["changed_path"]["summary"]}
+    return out
+
+
+def multi_gpu(runs: list[dict]) -> dict:
+    out = {}
+    for run in runs:
+        r = run["results"]
+        worlds = r.get("worlds") or {}
+        out[str(r["seq"])] = {
+            **source(run), "seq": r["seq"], "global_batch": r["global_batch"],
+            "micro_batch_per_gpu": r["micro_batch_per_gpu"], "budget_gib_per_gpu": r["budget_gib_per_gpu"],
+            "tokens_per_s": {world: w.get("tokens_per_s") for world, w in sorted(worlds.items())},
+            "scaling_2_gpus": r.get("scaling_2_gpus"), "target_scaling": r.get("target_scaling")}
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def reach(run: dict | None) -> dict | None:
+    if not run:
+        return None
+    r = run["results"]
+    return {**source(run), "budget_gib": r["budget_gib"],
+            "points": [{k: p.get(k) for k in ("name", "shape", "seq", "batch", "accum", "options", "returncode",
+                                              "oom", "peak_device_gib", "predicted_gib", "error_pct",
+                                              "tokens_per_s")} for p in r["points"]]}
+
+
+def reproducibility(runs: list[dict]) -> dict | None:
+    """Each variant's newest pair (a run may have measured only some: --only), with the run that measured it."""
+    if not runs:
+        return None
+    pairs = {}
+    for run in runs:
+        for p in run["results"]["pairs"]:
+            pairs[p["variant"]] = {**{k: p.get(k) for k in ("variant", "against", "steps", "identical",
+                                                           "max_relative_loss_difference")}, **source(run)}
+    first = next(iter(pairs.values()))
+    return {k: first[k] for k in ("machine", "date", "command", "run_file")} | {"pairs": list(pairs.values())}
+
+
+def latest(runs_dir: Path = RUNS) -> dict:
+    by_kind: dict[str, list[dict]] = {}
+    for run in load_runs(runs_dir=runs_dir):
+        by_kind.setdefault(run["kind"], []).append(run)
+    tp = by_kind.get("throughput", [])
+    seqs = {}
+    for run in by_kind.get("multi-gpu", []):  # the newest run per sequence length
+        seqs[run["results"]["seq"]] = run
+    return {
+        "about": "generated by `python bench/summarize.py` from bench/results/runs/*.json; do not edit",
+        "throughput": throughput(tp),
+        "plain_vs_reference": plain_vs_reference(tp),
+        "gtx1650_emulated": gtx1650(tp),
+        "cpu": cpu(newest(by_kind.get("cpu", []))),
+        "planner": planner(newest(by_kind.get("planner-validation", [])), newest(by_kind.get("planner-from-cpu", []))),
+        "step_time": step_time(newest(by_kind.get("step-time-model", []))),
+        "multi_gpu": multi_gpu(list(seqs.values())),
+        "reach": reach(newest(by_kind.get("reach", []))),
+        "reproducibility": reproducibility(by_kind.get("reproducibility", [])),
+    }
+
+
+# --- RESULTS.md -----------------------------------------------------------------------------------------------------
+def n(value, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:,.{digits}f}"
+
+
+class Refs:
+    """Rows cite their run as [n]; the list under the table names its machine, date and command."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+
+    def __call__(self, src: dict) -> str:
+        key = (src["machine"], src["date"], src["command"])
+        for i, item in enumerate(self.items, 1):
+            if (item["machine"], item["date"], item["command"]) == key:
+                return f"[{i}]"
+        self.items.append(src)
+        return f"[{len(self.items)}]"
+
+    def lines(self) -> list[str]:
+        return ["", *[f"[{i}] {s['machine']}, {s['date']}: `{s['command']}` (`{s['run_file']}`)"
+                      for i, s in enumerate(self.items, 1)]]
+
+
+def markdown(data: dict) -> str:
+    out = ["# Benchmark results", "",
+           "Generated by `python bench/summarize.py` (`make results`) from the run files in `bench/results/runs/`: "
+           "one file per run, written by the script that measured it, with its command, package versions, machine "
+           "and commit. Do not edit this file or `bench/results/latest.json`: run the benchmark again (it writes a "
+           "new run file), then `make results`. Each row names the machine and the date that measured it and cites "
+           "its command below the table (output paths left out). Older runs stay in `bench/results/runs/`; raw "
+           "output and traces in `bench/results/raw/`."]
+
+    tp = data["throughput"]
+    if tp["workloads"]:
+        refs = Refs()
+        out += ["", "## Speed: the reference recipe against our default GPU path", "",
+                f"{tp['what'][0].upper() + tp['what'][1:]}, under an emulated {tp['budget_gib']:g} GiB budget "
+                "(allocator capped, CUDA context included). Ratios mean something within one run only: the "
+                "reference's speed follows the host's CPU.", "",
+                "| workload | reference (1 × 8): s/step, tokens/s, peak GiB | ours: micro-batch × accum, s/step, "
+                "tokens/s, peak GiB | ratio | measured |", "|---|---|---|---|---|"]
+        for workload, e in tp["workloads"].items():
+            ref, ours = e["reference"], e["ours"]
+            out.append(f"| {e['label']} | {n(ref['median_step_s'], 3)}, {n(ref['tokens_per_s'])}, "
+                       f"{n(ref['peak_device_gib'], 2)} | {ours['micro_batch']} × {ours['accum']}, "
+                       f"{n(ours['median_step_s'], 3)}, {n(ours['tokens_per_s'])}, {n(ours['peak_device_gib'], 2)} | "
+                       f"**{e['ratio']:.1f}×** | {e['machine']}, {e['date']} {refs(e)} |")
+        out += refs.lines()
+        if tp["reference_range"]:
+            out += ["", "The reference recipe's own speed over every committed run (the same code, other hosts): " +
+                    "; ".join(f"{WORKLOADS[w]} {n(r['min'])}–{n(r['max'])} tokens/s ({r['runs']} runs)"
+                              for w, r in tp["reference_range"].items()) + "."]
+
+    pv = data["plain_vs_reference"]
+    if pv:
+        refs = Refs()
+        out += ["", "## `fast_path=False` against the reference", "",
+                "Our course's code on the plain stack (`RunConfig(fast_path=False)`) at the reference's 1 × 8, beside "
+                "the reference in the same run: the same peak memory, losses within a percent (LoRA's random A "
+                "differs between the two runs).", "",
+                "| workload | reference tokens/s | `fast_path=False` tokens/s | speed ratio | peak GiB, reference / "
+                "plain | largest loss difference | ours at 1 × 8 set by hand: peak GiB | measured |",
+                "|---|---|---|---|---|---|---|---|"]
+        for workload, e in pv.items():
+            out.append(f"| {e['label']} | {n(e['reference']['tokens_per_s'])} | {n(e['plain']['tokens_per_s'])} | "
+                       f"{e['speed_ratio']:.2f} | {n(e['reference']['peak_device_gib'], 2)} / "
+                       f"{n(e['plain']['peak_device_gib'], 2)} | {e['max_loss_rel_diff']:.2%} over "
+                       f"{e['steps_compared']} steps | "
+                       f"{n((e['ours_1x8'] or {}).get('peak_device_gib'), 2) if e['ours_1x8'] else 'not run'} | "
+                       f"{e['machine']}, {e['date']} {refs(e)} |")
+        out += refs.lines()
+
+    g = data["gtx1650_emulated"]
+    if g:
+        refs = Refs()
+        out += ["", "## The GTX 1650 card, emulated", "",
+                "The GTX 1650 (4 GB) card's budget and compute capability on the H200, auto-fit choosing for that "
+                "card: memory, settings and numerics in bf16 and in fp16 (what that card computes in). The H200 "
+                "computes both, so the tokens/s are the H200's, not a GTX 1650's.", "",
+                "| workload | dtype | auto-fit chose | checkpointing | peak GiB | s/step | tokens/s (H200) | last loss | "
+                "measured |", "|---|---|---|---|---|---|---|---|---|"]
+        for workload, dtypes in g.items():
+            for dtype, e in dtypes.items():
+                out.append(f"| {WORKLOADS[workload]} | {dtype} | {e['micro_batch']} × {e['accum']} | "
+                           f"{'on' if e['gc'] else 'off'} | {n(e['peak_device_gib'], 2)} | {n(e['median_step_s'], 3)} | "
+                           f"{n(e['tokens_per_s'])} | {n(e['last_loss'], 2)} after {e['steps']} steps | "
+                           f"{e['machine']}, {e['date']} {refs(e)} |")
+        out += refs.lines()
+
+    p = data["planner"]
+    if p:
+        refs = Refs()
+        out += ["", "## The memory planner against measured peaks", "",
+                f"`python -m nb_helpers plan` beside every committed peak measured on {p['measured_on']} "
+                "(NVML device memory, CUDA context included).", "",
+                "| points | shapes | worst error | mean error | held out of every fit: points, worst, mean | report |",
+                "|---|---|---|---|---|---|",
+                f"| {p['points']} | {p['shapes']} | {p['worst_abs_error_pct']:.1f}% | {p['mean_abs_error_pct']:.2f}% | "
+                f"{p['held_out_points']}, {n(p['held_out_worst_abs_error_pct'], 1)}%, "
+                f"{n(p['held_out_mean_abs_error_pct'], 2)}% | {p['date']} {refs(p)} |"]
+        c = p.get("planned_from_cpu")
+        if c:
+            w = c["without_gpu_extras"]
+            out += ["", f"The {c['points']} points of today's GPU path planned from a machine without the GPU (as a "
+                        f"learner plans a card they do not have): worst {c['worst_abs_error_pct']:.1f}%, mean "
+                        f"{c['mean_abs_error_pct']:.2f}% (without the GPU extras assumed: worst "
+                        f"{w['worst_abs_error_pct']:.1f}%, mean {w['mean_abs_error_pct']:.2f}%, {w['beyond_10_pct']} "
+                        f"beyond 10%); {c['skipped_other_paths']} points of paths since removed left out. "
+                        f"{c['date']} {refs(c)}."]
+        out += refs.lines()
+
+    s = data["step_time"]
+    if s:
+        refs = Refs()
+        step, busy = s["held_out"]["step_error"], s["held_out"]["busy_error"]
+        out += ["", "## The step-time model against measured steps", "",
+                f"`nb_helpers/plan/step_time.py` against {s['measured_on']}'s measured step and GPU-busy times; "
+                f"its constants fitted on {s['fit_points']} points, validated on {s['held_out_points']} it did not "
+                "see.", "",
+                "| held-out points | step time within 15% | worst, mean step error | GPU busy within 15% | worst, mean "
+                "busy error | report |", "|---|---|---|---|---|---|",
+                f"| {s['held_out_points']} | {step['within_15pct']} | {step['worst']:.1%}, {step['mean']:.1%} | "
+                f"{busy['within_15pct']} | {busy['worst']:.1%}, {busy['mean']:.1%} | {s['date']} {refs(s)} |"]
+        if s.get("later_runs"):
+            lr = s["later_runs"]
+            out += ["", f"Later runs of the changed GPU path ({lr['points']} profiled runs, held out): step within "
+                        f"15% at {lr['step_error']['within_15pct']} (worst {lr['step_error']['worst']:.1%}, mean "
+                        f"{lr['step_error']['mean']:.1%}), GPU busy at {lr['busy_error']['within_15pct']} (worst "
+                        f"{lr['busy_error']['worst']:.1%}, mean {lr['busy_error']['mean']:.1%})."]
+        out += refs.lines()
+
+    m = data["multi_gpu"]
+    if m:
+        refs = Refs()
+        out += ["", "## Several GPUs (DDP)", "",
+                "The same global batch on one GPU and on two, each under its own 4 GiB budget.", "",
+                "| tokens a row | global batch | micro-batch per GPU | 1 GPU tokens/s | 2 GPUs tokens/s | 2 GPUs over 1 | "
+                "measured |", "|---|---|---|---|---|---|---|"]
+        for e in m.values():
+            t = e["tokens_per_s"]
+            out.append(f"| {e['seq']:,} | {e['global_batch']} | {e['micro_batch_per_gpu']} | {n(t.get('1'))} | "
+                       f"{n(t.get('2'))} | {e['scaling_2_gpus']:.2f}× | {e['machine']}, {e['date']} {refs(e)} |")
+        out += refs.lines()
+
+    r = data["reach"]
+    if r:
+        refs = Refs()
+        out += ["", "## Reach: bigger models and longer rows under 4 GiB", "",
+                f"Random weights of the real shapes, effective batch 8, under an emulated {r['budget_gib']:g} GiB "
+                f"budget; the planner's prediction beside each peak. {r['machine']}, {r['date']} {refs(r)}.", "",
+                "| model | tokens a row | micro-batch × accum | options | peak GiB | planner | tokens/s |",
+                "|---|---|---|---|---|---|---|"]
+        for pt in r["points"]:
+            fitted = pt["returncode"] == 0
+            peak = n(pt["peak_device_gib"], 2) if fitted else "out of memory" if pt.get("oom") else "failed"
+            error = f" ({pt['error_pct']:+.1f}%)" if fitted and pt.get("error_pct") is not None else ""
+            out.append(f"| {pt['shape']} | {pt['seq']:,} | {pt['batch']} × {pt['accum']} | "
+                       f"{', '.join(pt['options']) or 'none'} | {peak} | {n(pt['predicted_gib'], 2)}{error} | "
+                       f"{n(pt['tokens_per_s']) if fitted else '–'} |")
+        out += refs.lines()
+
+    c = data["cpu"]
+    if c:
+        refs = Refs()
+        out += ["", "## CPU: training speed per instruction set and dtype", "",
+                f"The CPU profile (SmolLM2-135M, 8 × 1, 256 tokens), {c['steps']} optimizer steps per variant, the "
+                f"first not timed; each change measured alone, on this CPU as it is and limited to AVX2. "
+                f"{c['machine']}, {c['date']} {refs(c)}.", "",
+                "| CPU as | variant | dtype | threads | s/step | tokens/s |", "|---|---|---|---|---|---|"]
+        for row in c["rows"]:
+            stopped = f" (stopped after {row['stopped_after_s']:g} s, {row['steps_done']} steps)" \
+                if row["stopped_after_s"] else ""
+            out.append(f"| {'itself' if row['isa_limit'] == 'native' else 'AVX2 only'} | {row['variant']} | "
+                       f"{row['compute_dtype']} | {row['threads']} | {n(row['median_step_s'], 2)}{stopped} | "
+                       f"{n(row['tokens_per_s'], 1)} |")
+        out += refs.lines()
+
+    rp = data["reproducibility"]
+    if rp:
+        refs = Refs()
+        out += ["", "## Same seed, same losses", "",
+                "Two CPU runs of the course's training with the same seed, one after the other.", "",
+                "| variant | against | steps | identical | largest relative loss difference | measured |",
+                "|---|---|---|---|---|---|"]
+        for pair in rp["pairs"]:
+            out.append(f"| {pair['variant']} | {pair['against'] or 'its own second run'} | {pair['steps']} | "
+                       f"{'yes' if pair['identical'] else 'no'} | {pair['max_relative_loss_difference']:.2%} | "
+                       f"{pair['machine']}, {pair['date']} {refs(pair)} |")
+        out += refs.lines()
+    return "\n".join(out) + "\n"
+
+
+def render(runs_dir: Path = RUNS) -> tuple[str, str]:
+    data = latest(runs_dir)
+    return json.dumps(data, indent=1, ensure_ascii=False) + "\n", markdown(data)
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is out of date")
+    args = parser.parse_args()
+    latest_json, results_md = render()
+    if args.check:
+        stale = [p.relative_to(ROOT).as_posix() for p, text in ((LATEST, latest_json), (RESULTS_MD, results_md))
+                 if not p.exists() or p.read_text(encoding="utf-8") != text]
+        print(f"out of date: {', '.join(stale)} (run `make results`)" if stale else "up to date")
+        sys.exit(1 if stale else 0)
+    LATEST.write_text(latest_json, encoding="utf-8")
+    RESULTS_MD.write_text(results_md, encoding="utf-8")
+    print(f"wrote {LATEST.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
