@@ -1,25 +1,77 @@
-"""nb_helpers.ui.benchmarks and plots.plot_benchmark: notebook 04 reads the committed GPU benchmark."""
+"""nb_helpers.ui.benchmarks and plots.plot_benchmark: notebook 04 reads the committed GPU benchmark. And the results
+themselves: one file per run under bench/results/runs/ (bench/run_file.py), and what learners read
+(bench/results/latest.json, bench/RESULTS.md) exactly what bench/summarize.py generates from them, naming machines
+and dates, never our bookkeeping."""
 
 import json
+import re
+import sys
 
 import pytest
 
-from nb_helpers.ui.benchmarks import THROUGHPUT_JSON, benchmark_markdown, load_benchmark
+from nb_helpers.config import PROJECT_ROOT
+from nb_helpers.ui.benchmarks import LATEST_JSON, benchmark_markdown, load_benchmark
 from nb_helpers.ui.plots import plot_benchmark
+
+sys.path.insert(0, str(PROJECT_ROOT / "bench"))
+from run_file import load_runs  # noqa: E402
+RESULTS = PROJECT_ROOT / "bench" / "results"
+RUN_NAME = re.compile(r"^(\d{4}-\d\d-\d\d)-([a-z0-9]+(?:-[a-z0-9]+)*)-([0-9a-z]+)\.json$")
+BOOKKEEPING_KEY = re.compile(r"^(spread|earlier)$|(?<![a-z])issue[\s_-]*\d+|(?<![a-z])calls?[\s_-]*\d+", re.I)
+BOOKKEEPING_TEXT = [re.compile(r"\b(device\s+)?calls?\s*\d+", re.I), re.compile(r"\bissues?\s*#?\d+", re.I),
+                    re.compile(r"\b(device\s+)?calls?\b", re.I),  # "two device calls": our word, not a reader's
+                    re.compile(r"(?<![0-9A-Za-z])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![0-9A-Za-z])")]
+
+
+def latest() -> dict:
+    return json.loads(LATEST_JSON.read_text(encoding="utf-8"))
+
+
+def run_files() -> list:
+    return sorted((RESULTS / "runs").glob("*.json"))
 
 
 def test_the_committed_benchmark_gives_each_workload_its_reference_and_ours():
-    raw = json.loads(THROUGHPUT_JSON.read_text())
+    raw = latest()["throughput"]["workloads"]
     bench = load_benchmark()
-    assert [r.workload for r in bench.rows] == [w for w in raw["workloads"] for _ in ("reference", "ours")]
+    assert set(raw) == {"w512", "w2048", "shipped"}
+    assert [r.workload for r in bench.rows] == [w for w in raw for _ in ("reference", "ours")]
     for ref, ours in zip(bench.rows[::2], bench.rows[1::2]):
-        runs = raw["workloads"][ours.workload]["runs"]
+        entry = raw[ours.workload]
         assert (ref.recipe, ours.recipe, ref.ratio) == ("reference", "ours", 1.0)
-        assert ours.ratio == pytest.approx(runs["ours"]["tokens_per_s"] / runs["reference"]["tokens_per_s"])
-        assert ours.peak_device_gib == runs["ours"]["peak_device_gib"]
+        assert ours.ratio == pytest.approx(entry["ours"]["tokens_per_s"] / entry["reference"]["tokens_per_s"])
+        assert ours.ratio == pytest.approx(entry["ratio"])
+        assert ours.peak_device_gib == entry["ours"]["peak_device_gib"]
     table = benchmark_markdown(bench)
-    assert f"| w512 | ours | 8 × 1 | {raw['workloads']['w512']['runs']['ours']['tokens_per_s']:,.0f} |" in table
-    assert raw["measured_at_commit"]["shipped"].split(" ")[0] in table  # each workload names its own call
+    assert f"| w512 | ours | 8 × 1 | {raw['w512']['ours']['tokens_per_s']:,.0f} |" in table
+    assert f"| {raw['shipped']['machine']}, {raw['shipped']['date']} |" in table  # each workload names its own run
+    assert raw["shipped"]["command"] in table
+
+
+def test_each_headline_figure_is_its_run_files_own():
+    """latest.json's reference and ours per workload are the figures of the run file it names, both in that run, and
+    no newer run measured both."""
+    for workload, entry in latest()["throughput"]["workloads"].items():
+        run = json.loads((PROJECT_ROOT / entry["run_file"]).read_text())
+        runs = run["results"]["workloads"][workload]["runs"]
+        for name in ("reference", "ours"):
+            assert runs[name]["tokens_per_s"] == entry[name]["tokens_per_s"]
+            assert runs[name]["peak_device_gib"] == entry[name]["peak_device_gib"]
+        assert (run["date"], run["machine"]["gpu"]) == (entry["date"], entry["machine"])
+        ordered = [r["file"] for r in load_runs("throughput")]
+        for other in load_runs("throughput")[ordered.index(entry["run_file"]) + 1:]:
+            pair = ((other["results"].get("workloads") or {}).get(workload) or {}).get("runs") or {}
+            assert not ((pair.get("reference") or {}).get("tokens_per_s") and (pair.get("ours") or {}).get(
+                "tokens_per_s")), f"{other['file']} is newer and measured both at {workload}"
+
+
+def test_a_run_file_loads_as_a_benchmark():
+    """bench/throughput.py's run file (or its --out) reads as it is: notebook 04 can show a learner's own run."""
+    path = PROJECT_ROOT / latest()["plain_vs_reference"]["w512"]["run_file"]
+    bench = load_benchmark(path)
+    assert [(r.workload, r.recipe) for r in bench.rows] == [("w512", "reference"), ("w512", "ours")]
+    assert bench.gpu == "NVIDIA H200" and bench.measured_at["w512"] == f"NVIDIA H200, {bench.date}"
+    assert "--out" not in bench.commands["w512"] and bench.commands["w512"].startswith("python bench/throughput.py")
 
 
 def test_a_workload_without_both_runs_is_left_out(tmp_path):
@@ -45,15 +97,115 @@ def test_no_file_and_a_bad_file_are_told_apart(tmp_path):
         load_benchmark(bad)
 
 
+def test_the_readme_quotes_the_newest_figures():
+    """The README's speed table and its planner, time-model and several-GPU figures are latest.json's."""
+    readme = (PROJECT_ROOT / "README.md").read_text(encoding="utf-8")
+    data = latest()
+    for workload, e in data["throughput"]["workloads"].items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {e['label']} |"))
+        assert f"{e['reference']['tokens_per_s']:,.0f}" in row and f"{e['ours']['tokens_per_s']:,.0f}" in row, row
+        assert f"**{e['ratio']:.1f}×**" in row, (workload, row)
+    assert f"newest run, {max(e['date'] for e in data['throughput']['workloads'].values())}" in readme
+    c = data["planner"]["planned_from_cpu"]
+    assert f"the {c['points']} committed H200 points" in readme
+    assert f"within {c['worst_abs_error_pct']:.1f}% at worst" in readme
+    s = data["step_time"]
+    assert f"within 15% at {s['held_out']['step_error']['within_15pct']} of {s['held_out_points']} held-out" in readme
+    assert all(f"{m['scaling_2_gpus']:.2f}×" in readme for m in data["multi_gpu"].values())
+
+
+def test_latest_json_and_results_md_are_what_summarize_writes():
+    """Neither is edited by hand: `make results` (bench/summarize.py) writes both from the committed run files."""
+    import summarize
+
+    latest_json, results_md = summarize.render()
+    assert LATEST_JSON.read_text(encoding="utf-8") == latest_json, "bench/results/latest.json: run `make results`"
+    assert (PROJECT_ROOT / "bench" / "RESULTS.md").read_text(encoding="utf-8") == results_md, \
+        "bench/RESULTS.md: run `make results`"
+
+
+def test_every_run_file_says_what_ran_where_and_when():
+    files = run_files()
+    assert len(files) >= 70
+    for path in files:
+        data = json.loads(path.read_text())
+        name = RUN_NAME.match(path.name)
+        assert name, f"{path.name}: not <date>-<what>-<id>.json"
+        assert (data["format"], data["date"], data["kind"]) == (1, name.group(1), name.group(2)), path.name
+        assert data["command"] and isinstance(data["results"], dict) and "commit" in data, path.name
+        assert data.get("machine") or data.get("migrated_from"), path.name  # a new run always records its machine
+
+
+def test_no_results_file_holds_bookkeeping_keys():
+    """bench/results (raw output aside) holds runs, not a history keyed by our device calls or issues."""
+    def keys(node, path):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield f"{path}/{key}", key
+                yield from keys(value, f"{path}/{key}")
+        elif isinstance(node, list):
+            for value in node:
+                yield from keys(value, path)
+
+    files = [p for p in RESULTS.rglob("*.json") if "raw" not in p.relative_to(RESULTS).parts]
+    assert LATEST_JSON in files and len(files) > 70
+    bad = [f"{p.relative_to(RESULTS)}: {where}" for p in files
+           for where, key in keys(json.loads(p.read_text()), "") if BOOKKEEPING_KEY.search(key)]
+    assert not bad, bad[:10]
+    assert [p.name for p in RESULTS.glob("*.json")] == ["latest.json"], "an aggregate: write run files instead"
+    assert BOOKKEEPING_KEY.search("call31 dca9720") and BOOKKEEPING_KEY.search("issue27")
+    assert BOOKKEEPING_KEY.search("spread") and not BOOKKEEPING_KEY.search("recalls")
+
+
+def test_what_learners_read_names_machines_dates_and_commands_not_our_bookkeeping():
+    def strings(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                yield from strings(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from strings(value)
+        elif isinstance(node, str):
+            yield node
+
+    text = (PROJECT_ROOT / "bench" / "RESULTS.md").read_text(encoding="utf-8")
+    for where, value in [("RESULTS.md", text), *(("latest.json", s) for s in strings(latest()))]:
+        for pattern in BOOKKEEPING_TEXT:
+            assert not pattern.search(value), f"{where}: {pattern.search(value).group(0)!r} in {value[:120]!r}"
+    for section in text.split("\n## ")[1:]:  # every table cites a run: its machine, date and command
+        cited = re.findall(r"^\[\d+\] (.+), (\d{4}-\d\d-\d\d): `(python|NB_CI)", section, re.M)
+        assert cited and "|---" in section, section[:80]
+    assert not BOOKKEEPING_TEXT[3].search("ours-bfloat16-gtx1650 2026-12-03 580.159.04")
+    assert BOOKKEEPING_TEXT[3].search("at 59b4ead") and BOOKKEEPING_TEXT[0].search("device call 26")
+
+
+def test_a_run_file_records_the_run_and_rewrites_itself(tmp_path, monkeypatch):
+    from run_file import RunFile
+
+    monkeypatch.setenv("NB_FASTPATH", "graphs=0")
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    run = RunFile("cpu", out_dir=tmp_path, device="cpu", argv=["bench/cpu_bench.py", "--steps", "2"])
+    run.write({"rows": [1]})
+    path = run.write({"rows": [1, 2]})  # a run rewrites its own file as it goes
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and RUN_NAME.match(path.name)
+    data = json.loads(path.read_text())
+    assert data["results"] == {"rows": [1, 2]} and data["kind"] == "cpu" and data["commit"] == "abc1234"
+    assert data["command"] == "python bench/cpu_bench.py --steps 2"
+    assert data["environment"] == {"NB_FASTPATH": "graphs=0"} and data["machine"]["cores"]
+    assert data["versions"]["torch"] and data["started"].startswith(data["date"])
+    exact = RunFile("cpu", out=tmp_path / "mine.json", device="cpu").write({})
+    assert exact == tmp_path / "mine.json"
+    migrated = {**data, "started": None}
+    (tmp_path / f"{data['date']}-cpu-h01.json").write_text(json.dumps(migrated))
+    order = [r["file"].rsplit("/", 1)[-1] for r in load_runs("cpu", tmp_path)]
+    assert order[0] == f"{data['date']}-cpu-h01.json"  # a migrated file (no start time) before a new one that day
+
+
 def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
     """bench/trace_gaps.py on a made-up trace: one gap the host caused inside the optimizer (its launch came late),
     one the GPU spent waiting on another stream (its launch came before the gap began)."""
     import gzip
-    import sys
 
-    from nb_helpers.config import PROJECT_ROOT
-
-    sys.path.insert(0, str(PROJECT_ROOT / "bench"))
     from trace_gaps import analyze, load
 
     def op(name, ts, dur, tid=1, cat="cpu_op"):
@@ -89,10 +241,6 @@ def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
 
 
 def test_busy_time_is_the_union_of_intervals_and_compute_leaves_the_copies_out():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from throughput import union_ns
 
     kernels = [(0, 10, False), (5, 20, False), (30, 40, False)]

@@ -137,7 +137,7 @@ def _graphed_matches_eager(tiny_cfg, dtype, offload):
 def test_a_fresh_memory_pool_once_every_graph_is_gone(monkeypatch):
     """The graphs share one pool, but the allocator forgets a pool once its last graph is gone: capturing into it
     again (a second model trained in the same process: a notebook cell run twice) failed an internal assert on
-    the GPU, and the failed capture left dropout's generator unusable (bench/NOTES.md, call 12). A new capture
+    the GPU, and the failed capture left dropout's generator unusable (seen on an H200, 2026-12-01). A new capture
     takes a fresh pool whenever no graph is alive, the shared one otherwise."""
     import itertools
 

@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-MAX_LINES = 260  # the learner's guide; benchmark history lives in bench/NOTES.md
+MAX_LINES = 260  # the learner's guide; every benchmark figure lives in bench/RESULTS.md
 FIRST_SCREEN = 40  # lines a learner sees before scrolling
 MACHINES = ("H200", "CPU")  # a tokens/s figure must say which of these measured it
 FIGURE = re.compile(r"\btok(?:ens)?/s\b")  # a tokens/s column or figure
@@ -80,7 +80,7 @@ def readme() -> str:
 
 def test_the_readme_is_short():
     lines = line_count(readme())
-    assert lines <= MAX_LINES, f"README.md has {lines} lines; keep it to {MAX_LINES}, history goes to bench/NOTES.md"
+    assert lines <= MAX_LINES, f"README.md has {lines} lines; keep it to {MAX_LINES}, figures go to bench/RESULTS.md"
 
 
 def test_the_first_screen_says_how_to_start_and_what_it_needs():

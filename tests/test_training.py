@@ -202,7 +202,7 @@ def test_summary_keys_are_listed_once():
 
 def test_the_same_seed_draws_the_same_lora_init_whatever_ran_before(tiny_cfg):
     """LoRA's A is drawn in attach_lora from torch's generator, which each process seeds at random: unseeded, two
-    same-seed runs differed by 3.4% in loss over 16 steps (bench/results/reproducibility.json)."""
+    same-seed runs differed by 3.4% in loss over 16 steps (bench/RESULTS.md, "Same seed, same losses")."""
     import torch
 
     from nb_helpers.lora import attach_lora
