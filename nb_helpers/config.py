@@ -328,7 +328,7 @@ CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=19
                     max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
                     runs_dir="runs/ci")
 
-# CPU, each change measured on 2 cores (bench/results/cpu.json, README "CPU profile"):
+# CPU, each change measured on 2 cores (bench/RESULTS.md, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;
 # - no gradient checkpointing: recomputing activations cost 12-22% per step (measured), and host RAM holds them easily;
 # - 35 steps at lr 4e-4 instead of 70 at 2e-4: the same held-out score (0.958 against 0.956) in half the steps;

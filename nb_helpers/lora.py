@@ -121,7 +121,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
 
     peft's prepare_model_for_kbit_training upcasts embeddings, head and norms to fp32, which makes the residual stream
     and every checkpoint fp32: 1.03 GiB more at 8 x 512 tokens on an H200, at the same speed and losses
-    (bench/NOTES.md). The recipe as written never calls it, so a GPU run only freezes the base; the CPU path keeps it
+    (measured 2026-11-30). The recipe as written never calls it, so a GPU run only freezes the base; the CPU path keeps it
     (its results were measured with it), and NB_FASTPATH=lean=0 brings it back on a GPU."""
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
@@ -138,7 +138,7 @@ def attach_lora(model, cfg: RunConfig, fast=None):
             param.requires_grad_(False)  # the base stays frozen and 16-bit; LoRA adds the only trainable weights
     fastpath.before_lora(model, fast)
     # LoRA's A is drawn now, from a generator each process seeds at random; the Trainer seeds only later (3.4% apart
-    # in loss over 16 steps with one seed, bit for bit the same once seeded here: bench/results/reproducibility.json)
+    # in loss over 16 steps with one seed, bit for bit the same once seeded here: bench/RESULTS.md)
     set_seed(cfg.seed)
     model = get_peft_model(model, lora_config(cfg, model))  # targets under the model's names (Phi: qkv_proj)
     fastpath.after_lora(model, fast, cfg)

@@ -1,7 +1,7 @@
 """The fast path: not needed to follow the course; `RunConfig(fast_path=False)` turns it off.
 
 On a CUDA GPU it trains the reference recipe's math with less memory and less time per token than the plain
-transformers + peft + TRL stack (bench/results/throughput.json; bench/NOTES.md has each lever measured alone). Off,
+transformers + peft + TRL stack (bench/RESULTS.md; bench/results/runs/ has each lever measured alone). Off,
 or on a CPU, the course runs the stock layers of notebooks 01-03 and nothing in this folder touches the model.
 The course reaches it through this module alone, in four calls:
 

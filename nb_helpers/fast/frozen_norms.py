@@ -4,7 +4,7 @@ the rows, and a layer input's two gradients summed inside it.
 QLoRA trains none of the norms' weights, so their backward needs only the input's gradient. liger's backward launches
 one program per SM (132 on an H200), each walking its share of the rows in turn, because it sums a weight gradient per
 SM; at 8 x 2048 tokens its two norm backward kernels ran at about a third of the memory's speed (7.4 ms of an H200's
-step where their bytes take ~2.5; bench/NOTES.md). Here liger's fused add + RMSNorm backward kernel, weight gradient
+step where their bytes take ~2.5; 2026-12-03). Here liger's fused add + RMSNorm backward kernel, weight gradient
 off, runs ROWS rows a program: each row's arithmetic is liger's (device call 63: 2.9 ms a step instead of 7.2).
 
 A Llama layer's input feeds its input norm and the residual add, so autograd sums two gradients for it in an add kernel

@@ -2,7 +2,7 @@
 
 With the fused 4-bit layers (fast.fused_lora) and liger's kernels, a Llama layer still runs passes over its
 activations whose work a neighbour can do. At 8 x 2048 tokens on an H200 one pass over the hidden states takes about
-60 us and one over the MLP's intermediate about 130 us, 22 layers a step (bench/NOTES.md):
+60 us and one over the MLP's intermediate about 130 us, 22 layers a step (2026-12-02):
 
   * The MLP (gate, up, SwiGLU, down) is one autograd function where its three projections are frozen 4-bit layers
     (LoRA on q,k,v,o). Its backward adds up's input gradient inside gate's GEMM (`addmm_`), not in a separate add.

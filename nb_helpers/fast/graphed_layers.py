@@ -1,6 +1,6 @@
 """Checkpointed decoder layers replayed as CUDA graphs: one launch per layer instead of a few hundred.
 
-At 8 x 512 tokens on an H200 the GPU was busy 29% of a training step (bench/NOTES.md); the rest was the host
+At 8 x 512 tokens on an H200 the GPU was busy 29% of a training step (2026-12-01); the rest was the host
 launching about 4,600 kernels through Python, autograd and bitsandbytes. A checkpointed layer is a pure function
 of its inputs: its forward runs without autograd, and its backward recomputes the forward and differentiates it.
 So both halves are captured once per input shape and replayed from then on:
@@ -21,7 +21,7 @@ What graphs need, and what happens otherwise:
   * a capture that fails (an operation that cannot be captured) leaves that layer eager, said once with the reason.
 All graphs share one memory pool, and layers of one shape share their input and output buffers. That is what graphs
 cost: the pool, measured at 2.4 times a layer's eager recompute-and-backward working memory, and two hidden states of
-buffers per shape (the planner's `graphs` term; bench/NOTES.md).
+buffers per shape (the planner's `graphs` term).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 launches, and fewer saved tensors. Not liger's fused cross-entropy: TRL's own chunked log-prob loss already never
 builds the logits, and TRL refuses liger's. Where Triton cannot run (CPU, no triton, a kernel that fails its smoke
 test), the stock layers stay and one line says so. Measured on an H200: 0.15 GiB less at 8 x 512 tokens, the same
-speed (bench/results/throughput-levers.json).
+speed (2026-11-30; the run is in bench/results/runs/).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def offload_hooks():
 
     The copies run on a side stream, so they overlap the layers' compute instead of queueing behind it (at 8 x 2048 on
     TinyLlama each layer's input is 64 MiB each way; on the compute stream they gave 40,132 tokens/s against 53,428,
-    bench/NOTES.md). The side stream waits for the compute
+    an H200, 2026-12-01). The side stream waits for the compute
     that produced an input; the input stays alive until the next layer's input is packed, when the compute stream
     waits for its copy; and the backward, on reaching a layer, starts fetching the one below it. So one more layer
     input sits on the card than without overlap (the planner counts it)."""

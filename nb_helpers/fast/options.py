@@ -118,8 +118,8 @@ def kernels_installed() -> bool:
 
 
 # What each lever changes, and what it gave alone where it was measured: one H200 under an emulated 4 GiB budget,
-# TinyLlama-1.1B shape with random weights, effective batch 8, 2026-11-30 to 2026-12-01 (bench/NOTES.md has each
-# run, with the reference recipe in the same call).
+# TinyLlama-1.1B shape with random weights, effective batch 8, 2026-11-30 to 2026-12-01 (bench/results/runs/ has each
+# run, with the reference recipe in the same run).
 LEVERS = {
     "lean": ("the base frozen and left 16-bit (no fp32 embeddings, head and norms); also with fast_path=False",
              "1.03 GiB less at 8 x 512 than peft's prepare_model_for_kbit_training, same speed"),

@@ -2,7 +2,7 @@
 
 With gradient checkpointing each layer's backward first runs the layer's forward again. Attention is the part of that
 recompute whose cost grows with the square of the row: at 8 x 2048 tokens on TinyLlama cuDNN's attention forward took
-7.4 ms of a 0.2 s step on an H200 in the recompute alone (bench/NOTES.md). Where the checkpoint's saved input goes to
+7.4 ms of a 0.2 s step on an H200 in the recompute alone (2026-12-03). Where the checkpoint's saved input goes to
 pinned CPU RAM anyway (fast.offload), the first forward sends its attention output and log-sum-exp there too, on the
 same side stream, and they come back with the layer's input; the recompute hands them on instead of attending again,
 and the backward calls cuDNN's attention backward op with them, as torch's autograd does after a forward with

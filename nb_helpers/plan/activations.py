@@ -37,7 +37,7 @@ Transients at the peak
     two fp32 residual-stream gradients (2 * 4h) and one dequantized 16-bit weight (bitsandbytes dequantizes, then
     matmuls: 2*h*i bytes for the largest layer).
 
-Measured (H200; bench/NOTES.md)
+Measured (on an H200; the runs are in bench/results/runs/)
   * CUDA-graphed layers (the GPU default; nb_helpers.fast.graphed_layers): one memory pool holds a layer's recompute and
     backward for every graph, at all times, measured at GRAPH_POOL_FACTOR x what that work needs eagerly, plus two
     hidden states of shared buffers and GRAPH_OVERHEAD_GIB outside the pool. The layer's eager transients leave the
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 GIB = 2**30
 LOGPROB_TOKEN_TILE = 4096  # trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE
 LOGPROB_VOCAB_TILE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE
-# CUDA-graphed layers (nb_helpers.fast.graphed_layers), fitted on five TinyLlama runs of bench/throughput.py (H200, call
-# 11; bench/NOTES.md): their memory pool holds GRAPH_POOL_FACTOR x one layer's recompute-and-backward working memory
+# CUDA-graphed layers (nb_helpers.fast.graphed_layers), fitted on five TinyLlama runs of bench/throughput.py (H200,
+# 2026-12-01): their memory pool holds GRAPH_POOL_FACTOR x one layer's recompute-and-backward working memory
 # (the graphs' allocations cannot be packed as tightly as eager ones, which reuse freed blocks of any stream), and
 # GRAPH_OVERHEAD_GIB sits outside it (the capture stream's cuBLAS workspace, the graphs themselves)
 GRAPH_POOL_FACTOR = 2.4

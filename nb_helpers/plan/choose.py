@@ -18,7 +18,7 @@ OVERHEAD_TOKENS = 1024  # a micro-step's fixed cost, in tokens of compute (heuri
 # activations (one matmul per linear layer, as many FLOPs as the forward's) but none for the base's weights (LoRA's
 # cost about 2r/hidden of that), so a step is about 2 forwards without checkpointing and 3 with it. (4/3 is the rule for full
 # fine-tuning, whose backward is 2 forwards.) An upper bound: the step's other work (optimizer, host overhead, the LM
-# head, which is not recomputed) dilutes it; the 2-core CPU measured 12-22% (bench/results/cpu.json).
+# head, which is not recomputed) dilutes it; the 2-core CPU measured 12-22% (bench/RESULTS.md).
 GC_COMPUTE_FACTOR = 3 / 2
 OFFLOAD_FACTOR = 1.02  # the copies to and from CPU RAM: a little dearer than keeping checkpoints on the card (and
 # they hold pinned CPU RAM), so a candidate that offloads must be 2% faster to be chosen

@@ -13,7 +13,7 @@ from nb_helpers import compat
 def cpu_bf16_native() -> bool:
     """True only where bf16 matmuls run in hardware: AVX-512 BF16 or AMX, with torch's oneDNN and ATen kernels
     allowed to use them. Elsewhere (AVX2-only laptops and desktops, AVX-512 without BF16) bf16 is emulated and
-    one training step took about 13x longer than in fp32 (bench/results/cpu.json). Each probe honours one of
+    one training step took about 13x longer than in fp32 (bench/RESULTS.md). Each probe honours one of
     the ISA limits that reproduce such a CPU: ONEDNN_MAX_CPU_ISA (oneDNN) and ATEN_CPU_CAPABILITY (ATen)."""
     import torch
 

@@ -39,7 +39,7 @@ nb_helpers.plan.activations, which computes them.
 Fixed costs: the CUDA context, and torch's cuBLAS workspace (32 MiB on Hopper, 8.125 MiB before) for each of the
 two threads that run matmuls (forward, autograd).
 
-Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/results/planner_validation.json)
+Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/RESULTS.md)
   * Runtime overhead outside PyTorch's allocator once training runs (kernels loaded lazily by torch,
     bitsandbytes and Triton): RUNTIME_OVERHEAD_GIB.
   * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other

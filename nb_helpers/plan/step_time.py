@@ -25,7 +25,7 @@ takes the longer of the GPU's time and the host's, a CUDA-graphed one the GPU's 
 consumer card the GPU's time dominates; on the H200 the host's often does.
 
 Measured on one H200 only (bench/step_time.py; fitted and validated by bench/step_time_report.py, results in
-bench/results/step_time.json). Every other card's time is this model applied to its spec-sheet peaks, not a
+bench/RESULTS.md). Every other card's time is this model applied to its spec-sheet peaks, not a
 measurement: laptops run below their boost clocks, and a GTX 1650 has no tensor cores (its fp16 peak is its CUDA
 cores' double-rate half2).
 """
@@ -38,11 +38,11 @@ from nb_helpers.plan.activations import fused_kernels_apply, saved_attention_byt
 from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
-# pinned memory measured 57 GB/s in bench/results/throughput.json)
+# pinned memory measured 57 GB/s on the H200 in bench/throughput.py's runs)
 H200 = dict(name="NVIDIA H200", tflops16=989.0, bandwidth_gbs=4800.0, pcie_gbs=57.0, device_names=("H200",))
 
 # Seconds per unit of work on the H200, fitted by bench/step_time_report.py on the FIT points of bench/step_time.py
-# (device call 28, 2026-12-02) and validated on 14 points it did not see (bench/results/step_time.json).
+# (2026-12-02) and validated on 14 points it did not see (bench/RESULTS.md).
 GPU_SECONDS = {  # unit: (seconds per unit on the H200, what it scales with on another card)
     "matmul_flops": (1.10970e-15, "compute"),
     "gemm_launches": (8.23407e-06, "launch"),
