@@ -79,7 +79,7 @@ def adapter_param_bytes(compute_dtype: str, load_in_4bit: bool = True, adapters_
     """Bytes per LoRA parameter as training holds it. TRL 1.16 casts the adapters of a quantized model to bf16;
     trainer_setup.adapt_trainer casts them back to fp32 when the run is not bf16 (fp16 mixed precision cannot unscale
     bf16 gradients; fp32 runs compute in fp32); `adapters_fp32` models fp32 adapters in a bf16 run (measured once on
-    the GPU, bench/NOTES.md, not kept). Unquantized models keep peft's fp32 adapters. `compute_dtype` is the resolved dtype, not "auto"."""
+    an H200, 2026-11-30, not kept). Unquantized models keep peft's fp32 adapters. `compute_dtype` is the resolved dtype, not "auto"."""
     return 2 if load_in_4bit and compute_dtype == "bfloat16" and not adapters_fp32 else 4
 
 

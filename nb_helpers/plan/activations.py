@@ -198,7 +198,7 @@ def layer_backward_bytes(shape: Shape, inp: PlanInput, per_layer: float) -> tupl
     rb = residual_bytes(inp)
     graphs = 0.0
     # with keep_dequantized the recompute's 16-bit weights stay until the layer's backward: in a graph's pool too,
-    # where they are one block each (W512 graphed: +0.076 GiB measured for 0.061 kept, bench/NOTES.md)
+    # where they are one block each (W512 graphed: +0.076 GiB measured for 0.061 kept, an H200, 2026-12-02)
     kept = DTYPE_BYTES[inp.compute_dtype] * recomputed_params(shape, inp)[0] \
         if inp.gradient_checkpointing and inp.keep_dequantized else 0
     layer_backward = {"layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,

@@ -202,7 +202,7 @@ def _bias_layers(family: Family, config) -> tuple[str, ...]:
 
 # The fast path keeps double quantization's absmax decoded in fp32 (4 bytes per 64 weights) only where that costs at
 # most this share of the run's budget: TinyLlama's 58 MiB is 1.4% of 4 GiB; a 4B model's 0.21 GiB would be 5%, memory
-# a 4 GB card needs more than the 2-3% of GPU time it buys (bench/NOTES.md, call 45). The same rule for a layer's
+# a 4 GB card needs more than the 2-3% of GPU time it buys (an H200, 2026-12-02). The same rule for a layer's
 # dequantized weights kept from its recompute for its backward (TinyLlama 62 MiB; Qwen3-4B's 145 MiB would cost it
 # its CUDA graphs on a 4 GB card).
 ABSMAX_KEPT_SHARE = 0.02

@@ -346,7 +346,7 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
 def keep_fitted(shape: Shape, inp: PlanInput, budget_gib: float | None, margin: float = FIT_MARGIN) -> PlanInput:
     """`inp` keeping the recompute's dequantized weights (keep_wanted) only where the plan with them stays `margin`
     under the budget: one layer's weights (62 MiB on TinyLlama) never cost a run its fit, nor auto-fit a layer it can
-    leave unrecomputed, which saves far more (bench/NOTES.md, session 13: at 8 x 2048 keeping them cost two such
+    leave unrecomputed, which saves far more (an H200, 2026-12-03: at 8 x 2048 keeping them cost two such
     layers and 4% of the step)."""
     keep = inp.keep_wanted and inp.gradient_checkpointing
     with_keep = PlanInput(**{**asdict(inp), "keep_dequantized": keep})
