@@ -21,7 +21,8 @@ A run file holds:
   versions    the packages that ran
   results     every figure the script measured, as the script reports them
   notes       (optional) words recorded with the figures
-The <id> is the start time (HHMMSS, UTC) and two random bytes, so two runs never share a name.
+The <id> is the start time (HHMMSS, UTC) and two random letters, so two runs never share a name (and no name reads
+like a commit hash).
 
 On the lent GPU machine pass --out-dir $OUT and copy what comes back with `cp $OUT/*.json bench/results/runs/`.
 """
@@ -143,7 +144,7 @@ class RunFile:
             "commit": git_commit(), "machine": gpu_machine() if device == "gpu" else cpu_machine(),
             "versions": package_versions(),
         }
-        name = f"{now.date().isoformat()}-{kind}-{now:%H%M%S}{secrets.token_hex(2)}.json"
+        name = f"{now.date().isoformat()}-{kind}-{now:%H%M%S}{''.join(secrets.choice('ghjkmnpqrstvwxyz') for _ in range(2))}.json"
         self.path = Path(out) if out else Path(out_dir or RUNS) / name
 
     def write(self, results: dict, notes: list[str] | None = None) -> Path:

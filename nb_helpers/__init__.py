@@ -7,11 +7,13 @@
 
 import logging
 
+from nb_helpers.fast.plan_terms import register_with_planner
 from nb_helpers.hub import decide_offline
 
 __version__ = "0.1.0"
 
 decide_offline()  # before any hub library reads HF_HUB_OFFLINE at its import: without the Hub, fail fast from the cache
+register_with_planner()  # the planner models the fast path where a config asks for it, without importing it (plan.engine)
 
 # bitsandbytes on AVX512-BF16 CPUs suggests `pip install kernels`, which would fetch an inference-only kernel from the
 # Hugging Face Hub. Training does not use it (models.keep_cpu_weights_trainable), so the hint only confuses; every

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from nb_helpers.config import PROJECT_ROOT, ConfigError, RunConfig, apply_sets, default_config
-from nb_helpers.plan.command import add_plan
+from nb_helpers.plan_command import add_plan
 
 
 def cmd_env(args) -> int:

@@ -10,10 +10,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nb_helpers import fast
 from nb_helpers.config import PROJECT_ROOT, REFERENCE_MODEL, ConfigError, RunConfig
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.environment import hub_reachable
-from nb_helpers.fast import DECODED_ABSMAX
 from nb_helpers.hub import uncached_model_problem
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -196,10 +196,11 @@ def sixteen_bit_bytes_from_config(config) -> dict:
 
 def _quant_state_bytes(state) -> int:
     total = 0
-    for name in ("absmax", "code", DECODED_ABSMAX):  # the last: the fast path's fp32 copy, where it keeps one
+    for name in ("absmax", "code"):
         t = getattr(state, name, None)
         if t is not None:
             total += t.numel() * t.element_size()
+    total += fast.kept_quant_state_bytes(state)  # the fast path's own copies (its decoded absmax), where it keeps any
     nested = getattr(state, "state2", None)
     if nested is not None:
         total += _quant_state_bytes(nested)

@@ -86,7 +86,6 @@ def adapt_trainer(run, trainer) -> None:
         # Several CPU processes (gloo) get the device "cpu:0" (accelerate 1.15), which torch.load refuses as the
         # map_location of a resumed run's optimizer state; "cpu" is the same memory.
         compat.set_trainer_device(trainer, type(device)("cpu"))
-    trainer.floating_point_ops = flops_counter(run.model)
     fast.adapt_trainer(trainer, run.model)
     if resolve_compute_dtype(run.cfg.compute_dtype) != "bfloat16":
         # TRL (1.16) casts the LoRA weights of quantized models to bf16. fp16 mixed precision cannot unscale bf16
@@ -96,15 +95,6 @@ def adapt_trainer(run, trainer) -> None:
             if param.requires_grad:
                 param.data = param.data.float()
 
-
-def flops_counter(model):
-    """Trainer.floating_point_ops (6 x input tokens x parameters without embeddings, transformers 5's estimate) with
-    the parameters counted once: the Trainer counts them again at every step, a walk over every module (host time on
-    a fast GPU)."""
-    if not hasattr(model, "num_parameters"):
-        return lambda inputs: 0
-    main_input, params = getattr(model, "main_input_name", "input_ids"), model.num_parameters(exclude_embeddings=True)
-    return lambda inputs: 6 * inputs[main_input].numel() * params if main_input in inputs else 0
 
 def progress_printer(total_steps: int, every: int):
     """One readable line every `every` steps (and eval results) for terminals and notebook logs."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nb_helpers import distributed, fast
-from nb_helpers.plan.autofit import fit_to_budget, keep_graphs_within_budget
+from nb_helpers.autofit import fit_to_budget, keep_graphs_within_budget
 from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.data import load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
@@ -95,7 +95,7 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
     continues an interrupted run folder from its last checkpoint, with the config it was started with."""
     import torch
 
-    from nb_helpers.plan.preflight import preflight
+    from nb_helpers.preflight import preflight
 
     resume_dir = resolve_run(resume_from) if resume_from else None
     checkpoint = None
@@ -140,7 +140,7 @@ def apply_budget(run: TrainingRun) -> None:
     import torch
 
     from nb_helpers.plan.cards import budget_of, run_card
-    from nb_helpers.plan.preflight import check_budget_fits
+    from nb_helpers.preflight import check_budget_fits
 
     budget_gib, card = budget_of(run.cfg), run_card(run.cfg)
     run.summary.update(budget_gib=budget_gib, card=run.cfg.card)
@@ -191,7 +191,6 @@ def load_for_training(run: TrainingRun, verbose: bool = True):
     if fitting:
         fit_to_budget(run, verbose)
     if run.prediction is not None:
-        fast.set_keep_dequantized(run.model, run.prediction.inputs.keep_dequantized)  # what the plan holds
         run.summary.update(predicted_peak_gib=run.prediction.peak_gib, predicted_phase=run.prediction.peak_phase,
                            predicted_components_gib={k: v / 2**30 for k, v in run.prediction.components.items()},
                            **predicted_time(run.prediction, run.cfg, verbose))

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from nb_helpers.config import PROJECT_ROOT
-from nb_helpers.lora import BNB_8BIT_MIN_SIZE, BNB_BLOCK, BNB_PAGE_MIN_ELEMENTS, optimizer_bytes
+from nb_helpers.plan.adapter import BNB_8BIT_MIN_SIZE, BNB_BLOCK, BNB_PAGE_MIN_ELEMENTS, optimizer_bytes
 from nb_helpers.plan.catalog import known_shape
 from nb_helpers.plan.choose import GC_COMPUTE_FACTOR
 from nb_helpers.plan.planner import ALL_LINEAR, QKVO, PlanInput, lora_tensors, plan

@@ -254,7 +254,7 @@ def test_a_widget_can_plan_each_known_shape():
 
 
 def test_budget_check_skips_a_family_it_cannot_count(monkeypatch, capsys):
-    from nb_helpers.plan import preflight
+    from nb_helpers import preflight
     from nb_helpers.config import RunConfig
     from nb_helpers.models import ModelChoice
 

@@ -370,7 +370,7 @@ def test_auto_fit_trial_step_runs_with_reentrant_checkpoints(tiny_cfg):
     trial's backward reaches the adapters as training's does."""
     import torch
 
-    from nb_helpers.plan.autofit import trial_step
+    from nb_helpers.autofit import trial_step
 
     model = _tiny(tiny_cfg, FastOptions(lean=True, kernels=False, nomask=False, reentrant=True))  # kept on the model
     seen = []

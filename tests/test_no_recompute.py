@@ -187,7 +187,8 @@ def test_every_process_takes_rank_0_s_choice(monkeypatch, tiny_cfg):
     from types import SimpleNamespace
 
     from nb_helpers import distributed
-    from nb_helpers.plan import autofit, planner
+    from nb_helpers import autofit
+    from nb_helpers.plan import planner
 
     fitted = tiny_cfg.replace(gradient_checkpointing=True, offload_checkpoints=True, cuda_graphs=True,
                               no_recompute_layers=3, micro_batch_size=4, grad_accum=2)

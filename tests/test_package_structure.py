@@ -19,12 +19,16 @@ MAX_FUNCTION_LINES = 60
 # The house, bottom to top. A module may import its own layer and those below it, never one above. "x.*" places every
 # module under package x. README.md's Layout section names the same layers.
 LAYERS = {
-    # 0 base: what everything may use. The package's __init__ runs first, whichever module is imported
-    ROOT: 0, "frontend": 0, "hub": 0, "compat": 0, "compat.*": 0,
-    # 1 plan: what will run and whether it fits: arithmetic over shapes, cards and dtypes, no model loaded
+    # 0 base: what everything may use
+    "frontend": 0, "hub": 0, "compat": 0, "compat.*": 0,
+    # 1 plan: what will run and whether it fits: arithmetic over shapes, cards and dtypes, no model loaded. It defines
+    # what it needs from an engine (plan.engine) and never imports one
     "plan": 1, "plan.*": 1,
-    # 2 engine: the GPU fast path, a plugin (fast_path=False trains without it)
+    # 2 engine: the GPU fast path, a plugin (fast_path=False trains without it); it describes itself to the planner
     "fast": 2, "fast.*": 2,
+    # The package's __init__ runs first, whichever module is imported: it may use the base and register the engine
+    # with the planner (fast.plan_terms imports no torch), nothing above
+    ROOT: 2,
     # 3 config: the one config object and its validation
     "config": 3,
     # 4 course: what the notebooks call, and the fault handling a run needs

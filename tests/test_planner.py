@@ -139,7 +139,7 @@ def test_shape_reads_config_json(tmp_path):
     shape = planner.load_shape(str(tmp_path))
     assert shape.linear_params == TINYLLAMA.linear_params and shape.head_dim == 64 and not shape.tied
     # the 4-bit part agrees with the older preflight estimate
-    from nb_helpers.plan.preflight import four_bit_weight_bytes
+    from nb_helpers.preflight import four_bit_weight_bytes
     from transformers import LlamaConfig
 
     c = plan(shape, PlanInput()).components
@@ -268,13 +268,13 @@ def test_trial_step_runs_the_fused_loss_and_leaves_no_gradients(tiny_cfg):
 
     from nb_helpers.models import ModelChoice, load_4bit
     from nb_helpers.lora import attach_lora
-    from nb_helpers.plan.autofit import trial_step
+    from nb_helpers.autofit import _FUSED_HEADS, trial_step
 
     model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
     for checkpointing in (True, False):
         trial_step(model, 2, 64, checkpointing, torch.bfloat16, vocab=200)
         assert all(p.grad is None for p in model.parameters())
-    assert model._nb_fused_head
+    assert model in _FUSED_HEADS
 
 
 def test_plan_for_config_follows_the_run_config(tiny_cfg):
@@ -435,10 +435,10 @@ def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys, monkeypatch):
     off, so that the plans at the two budgets differ by the graphs alone.)"""
     from types import SimpleNamespace
 
-    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0,absmax_once=0")
+    monkeypatch.setenv("NB_FASTPATH", "absmax_once=0")
     from nb_helpers.config import PROJECT_ROOT, RunConfig
     from nb_helpers.plan.planner import load_shape, plan_for_config
-    from nb_helpers.plan.autofit import keep_graphs_within_budget
+    from nb_helpers.autofit import keep_graphs_within_budget
 
     shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, cuda_graphs=True)
@@ -464,7 +464,7 @@ def test_hand_set_runs_stay_lean_unless_graphs_are_asked_for(capsys):
     from nb_helpers.config import PROJECT_ROOT, RunConfig
     from nb_helpers.plan.choose import auto_fit
     from nb_helpers.plan.planner import load_shape, plan_for_config
-    from nb_helpers.plan.autofit import keep_graphs_within_budget
+    from nb_helpers.autofit import keep_graphs_within_budget
 
     shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
     cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, budget_gib=4.0)
@@ -487,13 +487,13 @@ def test_a_gpu_planned_from_a_machine_without_it_runs_the_gpu_extras(monkeypatch
     """Planned from a CPU (or for another GPU), the plan is for what `make` installs beside an NVIDIA driver:
     liger's fused layers, whatever this machine has installed; `gpu_extras=False` plans a GPU without them. Planned
     from a CPU without liger, the stock MLP's extra saved tensor made plans up to 20% high (issue 26)."""
-    from nb_helpers import fast
     from nb_helpers.config import RunConfig
+    from nb_helpers.fast import plan_terms
     from nb_helpers.plan import dtypes
     from nb_helpers.plan.catalog import known_shape
     from nb_helpers.plan.planner import plan_for_config
 
-    monkeypatch.setattr(fast, "kernels_installed", lambda: False)
+    monkeypatch.setattr(plan_terms, "kernels_installed", lambda: False)
     monkeypatch.setattr(dtypes, "cuda_capability", lambda: None)
     shape, cfg = known_shape("tinyllama-1.1b"), RunConfig(max_length=2048, gradient_checkpointing=False)
     assumed = plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(9, 0))
@@ -537,73 +537,3 @@ def test_the_absmax_is_kept_decoded_only_where_it_is_a_small_share_of_the_budget
     cfg = tiny_cfg.replace(budget_gib=4.0)
     assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] > 0
     assert plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).components["absmax_decoded"] == 0
-
-
-def test_the_recompute_s_kept_weights_are_counted_in_the_layer_s_backward(monkeypatch, tiny_cfg):
-    """Lever keep_dequantized: the last layer's backward holds the weights its recompute dequantized (16-bit, all but
-    the dead down projection), on top of the one dequantized at a time; only with checkpointing; the lever's switch
-    reaches the planner."""
-    from nb_helpers.plan.planner import load_shape, plan_for_config
-
-    h, i, kv = TINYLLAMA.hidden, TINYLLAMA.intermediate, TINYLLAMA.kv_heads * TINYLLAMA.head_dim
-    recomputed = 2 * h * h + 2 * h * kv + 2 * h * i
-    from nb_helpers.plan.activations import peak_phases
-
-    phase = "the last layer's backward"
-    on, off = (peak_phases(TINYLLAMA, PlanInput(seq=512, batch=8, keep_dequantized=keep), padded=True)[0][phase]
-               for keep in (True, False))
-    assert on["backward_transient"] - off["backward_transient"] == 2 * recomputed
-    no_gc = [plan(TINYLLAMA, PlanInput(seq=512, batch=8, gradient_checkpointing=False, keep_dequantized=keep))
-             for keep in (True, False)]
-    assert no_gc[0].peak_bytes == no_gc[1].peak_bytes
-    shape = load_shape(tiny_cfg.model)
-    assert plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
-    monkeypatch.setenv("NB_FASTPATH", "keep_dequantized=0")
-    assert not plan_for_config(tiny_cfg, shape, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
-
-
-def test_the_weights_are_kept_only_where_the_plan_has_room_for_them():
-    """plan.planner.keep_fitted: a budget the plan fits without the kept weights but not with them (less the margin)
-    keeps none; a larger one keeps them. And auto-fit's candidates never give up a layer left unrecomputed for them
-    (at 8 x 2048 under 4 GiB the kept weights cost two such layers: measured on an H200, 2026-12-03)."""
-    from nb_helpers.plan.catalog import known_shape
-    from nb_helpers.plan.choose import candidates
-    from nb_helpers.plan.planner import FIT_MARGIN, keep_fitted
-
-    shape = known_shape("tinyllama-1.1b")
-    base = PlanInput(seq=2048, batch=8, offload=True, dropout_kernels=True, keep_wanted=True, context_gib=0.5)
-    on = plan(shape, PlanInput(**{**asdict(base), "keep_dequantized": True})).peak_gib
-    off = plan(shape, base).peak_gib
-    assert on > off
-    tight = (on + off) / 2 / (1 - FIT_MARGIN)
-    assert not keep_fitted(shape, base, tight).keep_dequantized
-    assert keep_fitted(shape, base, on / (1 - FIT_MARGIN) + 0.01).keep_dequantized
-    assert not keep_fitted(shape, PlanInput(**{**asdict(base), "gradient_checkpointing": False}), 80).keep_dequantized
-
-    def most_kept(wanted: bool, budget: float) -> tuple[int, list[bool]]:
-        found = candidates(shape, PlanInput(**{**asdict(base), "keep_wanted": wanted}), 8, budget,
-                           fewer_recomputes=True)
-        return (max(c.no_recompute_layers for c in found if c.gradient_checkpointing),
-                [c.keep_dequantized for c in found if c.gradient_checkpointing])
-    dropped_somewhere = False
-    for budget in (3.6, 3.7, 3.8, 3.9, 4.0, 4.1):
-        (with_keep, kept), (without, _) = most_kept(True, budget), most_kept(False, budget)
-        assert with_keep == without > 0, budget
-        assert any(kept), budget
-        dropped_somewhere |= not all(kept)
-    assert dropped_somewhere
-
-
-def test_the_weights_are_kept_dequantized_only_where_they_are_a_small_share_of_the_budget(tiny_cfg, monkeypatch):
-    """The 2% rule of the absmax (plan.architecture.keeps_dequantized_weights): TinyLlama's 62 MiB at 4 GiB are kept,
-    Qwen3-4B's 145 MiB are not (they would cost it its CUDA graphs on a 4 GB card); without a budget always."""
-    from nb_helpers.plan.architecture import keeps_dequantized_weights
-    from nb_helpers.plan.catalog import known_shape
-    from nb_helpers.plan.planner import plan_for_config
-
-    tiny, big = known_shape("tinyllama-1.1b"), known_shape("qwen3-4b")
-    assert keeps_dequantized_weights(tiny, 4.0) and not keeps_dequantized_weights(big, 4.0)
-    assert keeps_dequantized_weights(big, None) and keeps_dequantized_weights(big, 8.0)
-    cfg = tiny_cfg.replace(budget_gib=4.0)
-    assert plan_for_config(cfg, tiny, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized
-    assert not plan_for_config(cfg, big, context_gib=0.3, gpu_capability=(8, 6)).inputs.keep_dequantized

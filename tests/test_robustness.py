@@ -132,7 +132,7 @@ def test_settings_that_need_the_model_are_checked_before_it_loads(tiny_cfg, monk
 
 
 def test_bf16_on_a_turing_gpu_switches_to_fp16_and_says_so(tiny_cfg, monkeypatch, capsys):
-    from nb_helpers.plan import preflight
+    from nb_helpers import preflight
     from nb_helpers.models import ModelChoice
 
     monkeypatch.setattr(preflight, "cuda_capability", lambda: (7, 5))
@@ -143,7 +143,7 @@ def test_bf16_on_a_turing_gpu_switches_to_fp16_and_says_so(tiny_cfg, monkeypatch
 
 def test_budget_smaller_than_the_weights(tiny_cfg):
     from nb_helpers.models import ModelChoice
-    from nb_helpers.plan.preflight import check_budget_fits
+    from nb_helpers.preflight import check_budget_fits
 
     with pytest.raises(ConfigError, match="less than tiny's 4-bit weights alone.*raise budget_gib"):
         check_budget_fits(tiny_cfg.replace(budget_gib=0.6), ModelChoice(tiny_cfg.model, "tiny", "t"), 0.001)
@@ -151,7 +151,7 @@ def test_budget_smaller_than_the_weights(tiny_cfg):
 
 def test_four_bit_estimate_matches_the_loaded_model(tiny_model_dir):
     from nb_helpers.models import ModelChoice, load_4bit, memory_breakdown
-    from nb_helpers.plan.preflight import four_bit_weight_bytes
+    from nb_helpers.preflight import four_bit_weight_bytes
 
     # the estimate is for GPUs, which keep embeddings in 16-bit (an AVX2-only CPU would load them in fp32)
     model = load_4bit(RunConfig(model=str(tiny_model_dir), compute_dtype="bfloat16"),
@@ -222,7 +222,7 @@ def test_the_flops_count_is_transformers_own_with_the_parameters_counted_once(ti
     from nb_helpers.fast.options import FastOptions
     from nb_helpers.models import ModelChoice, load_4bit
     from nb_helpers.lora import attach_lora
-    from nb_helpers.trainer_setup import flops_counter
+    from nb_helpers.fast.host_step import flops_counter
 
     model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg,
                         fast=FastOptions(lean=True, kernels=False, nomask=False))

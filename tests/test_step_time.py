@@ -164,23 +164,6 @@ def test_a_kept_absmax_takes_one_launch_per_dequantize_and_leaves_the_rest():
         {k: v for k, v in per_call.items() if k != "dequant_launches"}
 
 
-def test_kept_weights_leave_out_the_backward_s_dequantize_of_what_the_recompute_made():
-    """Lever keep_dequantized: with checkpointing the backward reuses each weight the recompute dequantized (all but
-    TinyLlama's dead down projection), so those dequantizes go; without checkpointing nothing changes."""
-    shape = known_shape("tinyllama-1.1b")
-    again = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, keep_dequantized=False))
-    kept = st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, keep_dequantized=True))
-    h, i, kv = shape.hidden, shape.intermediate, shape.kv_heads * shape.head_dim
-    recomputed = 2 * h * h + 2 * h * kv + 2 * h * i  # q, o; k, v; gate, up
-    assert again["dequant_bytes"] - kept["dequant_bytes"] == pytest.approx(2.5 * recomputed * shape.layers)
-    assert again["dequant_launches"] - kept["dequant_launches"] == 2 * 6 * shape.layers  # two launches each
-    assert {k: v for k, v in kept.items() if not k.startswith("dequant")} == \
-        {k: v for k, v in again.items() if not k.startswith("dequant")}
-    no_gc = [st.work_per_micro_step(shape, PlanInput(seq=512, batch=8, gradient_checkpointing=False,
-                                                     keep_dequantized=keep)) for keep in (False, True)]
-    assert no_gc[0] == no_gc[1]
-
-
 def test_the_kept_attention_costs_a_pair_in_flight_each_way_and_saves_the_recompute_s_attention():
     """Lever saved_attention (fast.saved_attention): offloaded eager checkpoints keep each layer's attention output
     and log-sum-exp in CPU RAM too. The card holds one more pair while they are copied out and one fetched back early;

@@ -97,19 +97,24 @@ def adapt_trainer(trainer, model) -> None:
     """On a built trainer: the training rows read as arrays, model.train() walks the modules only on a change; a batch
     that is not right-padded turns the mask drop off; the optimizer steps through bitsandbytes' kernels directly."""
     fast = getattr(model, "_nb_fast", None)
-    if fast is not None and fast.array_rows:
+    if fast is None or not any(fast.speed_levers().values()):  # the plain stack: the Trainer as TRL builds it
+        return
+    from nb_helpers.fast.host_step import flops_counter
+
+    trainer.floating_point_ops = flops_counter(model)  # the parameters counted once, not at every step
+    if fast.array_rows:
         from nb_helpers.fast.host_step import read_rows_as_arrays
 
         record(model, "array_rows", read_rows_as_arrays(trainer))
-    if fast is not None and fast.mode_on_change:
+    if fast.mode_on_change:
         from nb_helpers.fast.host_step import walk_modes_on_change
 
         walk_modes_on_change(model)
-    if fast is not None and fast.nomask:
+    if fast.nomask:
         from nb_helpers.fast.mask import guard_collator
 
         trainer.data_collator = guard_collator(trainer.data_collator, model)
-    if fast is not None and fast.direct_optim:
+    if fast.direct_optim:
         from nb_helpers.fast.optimizer_step import install_on_trainer
 
         install_on_trainer(trainer)
@@ -118,6 +123,30 @@ def adapt_trainer(trainer, model) -> None:
 def record(model, lever: str, ran: bool) -> None:
     """What an installer found: some levers can only fall back once they meet the model (no liger for this family)."""
     model._nb_levers = {**getattr(model, "_nb_levers", {}), lever: bool(ran)}
+
+
+def use_checkpoint_choice(model, offload: bool | None = None, graphs: bool | None = None,
+                          no_recompute_layers: int | None = None) -> None:
+    """Auto-fit's choice (or its trial's) for this model's checkpoints: in CPU RAM where the fast path installed the
+    offload, replayed as CUDA graphs, and how many of the last layers keep their activations; None leaves one as it
+    is. fast.checkpoints reads them when it points each layer at its checkpoint function."""
+    if offload is not None and can_offload(model):
+        model._nb_offload = bool(offload)
+    if graphs is not None:
+        model._nb_use_graphs = bool(graphs)
+    if no_recompute_layers is not None:
+        model._nb_no_recompute = max(0, int(no_recompute_layers))
+
+
+def can_offload(model) -> bool:
+    """Whether this model's checkpoints can go to CPU RAM: the fast path installed the offload on it."""
+    return hasattr(model, "_nb_offload")
+
+
+def kept_quant_state_bytes(state) -> int:
+    """Bytes the fast path keeps beside a 4-bit weight's quantization state: its decoded absmax (lever absmax_once)."""
+    kept = getattr(state, DECODED_ABSMAX, None)
+    return 0 if kept is None else kept.numel() * kept.element_size()
 
 
 def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:

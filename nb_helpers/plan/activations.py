@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
+from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers
 
 if TYPE_CHECKING:
     from nb_helpers.plan.planner import PlanInput
@@ -197,10 +197,6 @@ def layer_backward_bytes(shape: Shape, inp: PlanInput, per_layer: float) -> tupl
     h, i, T = shape.hidden, shape.intermediate, inp.tokens
     rb = residual_bytes(inp)
     graphs = 0.0
-    # with keep_dequantized the recompute's 16-bit weights stay until the layer's backward: in a graph's pool too,
-    # where they are one block each (W512 graphed: +0.076 GiB measured for 0.061 kept, an H200, 2026-12-02)
-    kept = DTYPE_BYTES[inp.compute_dtype] * recomputed_params(shape, inp)[0] \
-        if inp.gradient_checkpointing and inp.keep_dequantized else 0
     layer_backward = {"layer_recompute": per_layer * T if inp.gradient_checkpointing else 0.0,
                       "backward_transient": 2 * rb * i * T + 2 * rb * h * T
                       + 2 * max(a * b for a, b in shape.linear_dims().values())}  # one dequantized weight at a time
@@ -211,13 +207,11 @@ def layer_backward_bytes(shape: Shape, inp: PlanInput, per_layer: float) -> tupl
         # One memory pool holds a layer's recompute and backward for every graph, all the time; the layers share
         # buffers for their inputs and outputs (two hidden states), and each layer that keeps its activations has
         # its own input buffer. Only the gradients copied out of the pool are left to the allocator in the backward.
-        graphs = GRAPH_POOL_FACTOR * sum(layer_backward.values()) + kept + (2 + not_recomputed) * rb * h * T \
+        graphs = GRAPH_POOL_FACTOR * sum(layer_backward.values()) + (2 + not_recomputed) * rb * h * T \
             + GRAPH_OVERHEAD_GIB * GIB
         layer_backward = {"layer_recompute": 0.0, "backward_transient": 2 * rb * h * T}
-    else:
-        layer_backward["backward_transient"] += kept
-        if not_recomputed:
-            layer_backward["layer_recompute"] = 0.0
+    elif not_recomputed:
+        layer_backward["layer_recompute"] = 0.0
     return layer_backward, graphs
 
 

@@ -202,9 +202,7 @@ def _bias_layers(family: Family, config) -> tuple[str, ...]:
 
 # The fast path keeps double quantization's absmax decoded in fp32 (4 bytes per 64 weights) only where that costs at
 # most this share of the run's budget: TinyLlama's 58 MiB is 1.4% of 4 GiB; a 4B model's 0.21 GiB would be 5%, memory
-# a 4 GB card needs more than the 2-3% of GPU time it buys (an H200, 2026-12-02). The same rule for a layer's
-# dequantized weights kept from its recompute for its backward (TinyLlama 62 MiB; Qwen3-4B's 145 MiB would cost it
-# its CUDA graphs on a 4 GB card).
+# a 4 GB card needs more than the 2-3% of GPU time it buys.
 ABSMAX_KEPT_SHARE = 0.02
 
 
@@ -226,17 +224,6 @@ def recomputed_layers(shape: Shape, inp) -> int:
     if not inp.gradient_checkpointing:
         return 0
     return shape.layers - min(shape.layers, max(0, int(getattr(inp, "no_recompute_layers", 0))))
-
-
-def keeps_dequantized_weights(shape: Shape, budget_gib: float | None) -> bool:
-    """Whether the fast path keeps a layer's recomputed weights, dequantized to 16 bits, for its backward
-    (fast.recompute.keeps_weights) under this budget (None: the whole GPU, no cap)."""
-    kept = 2 * recomputed_params(shape, _WithDeadTail)[0]
-    return budget_gib is None or kept <= ABSMAX_KEPT_SHARE * budget_gib * 2**30
-
-
-class _WithDeadTail:  # recomputed_params' view of a run with the dead_tail lever, which keeping the weights needs
-    dead_tail = True
 
 
 def absmax_kept_bytes(linear_params: int) -> float:

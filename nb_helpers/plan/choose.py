@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from nb_helpers.plan.architecture import Shape, recomputed_layers
-from nb_helpers.plan.planner import FIT_MARGIN, Plan, PlanInput, keep_fitted, plan, plan_for_config
+from nb_helpers.plan.planner import FIT_MARGIN, Plan, PlanInput, plan, plan_for_config
 
 # Ranking: a step costs accum x (fixed launch/Python overhead) + tokens x (compute, x GC_COMPUTE_FACTOR with
 # checkpointing). On 4 GB cards and small models the fixed part dominates (the reference recipe keeps an H200 about 5%
@@ -39,7 +39,6 @@ class Candidate:
     predicted_step_s: float | None = None  # on the GPU ranked for (nb_helpers.plan.step_time), where one was
     gpu_name: str | None = None
     no_recompute_layers: int = 0  # with GC: the last layers that keep their activations (RunConfig)
-    keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept (plan.planner.keep_fitted)
 
     def describe(self) -> str:
         gc = ("on, checkpoints in CPU RAM" if self.offload else "on") if self.gradient_checkpointing else "off"
@@ -83,25 +82,24 @@ def candidates(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: 
         for gc, offload, graphs in modes:
             inp = PlanInput(**{**asdict(base), "batch": batch, "accum": effective_batch // batch,
                                "gradient_checkpointing": gc, "offload": offload, "graphs": graphs,
-                               "no_recompute_layers": 0, "keep_dequantized": False})
+                               "no_recompute_layers": 0})
             if plan(shape, inp).peak_gib > limit:
                 continue
             most = most_layers_kept(shape, inp, limit) if gc and fewer_recomputes else 0
-            for kept in sorted({most, most // 2, 0}, reverse=True):  # the kept weights where room is left
-                chosen = keep_fitted(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept}), budget_gib,
-                                     margin)
-                out.append(_candidate(shape, chosen, gpu))
+            for kept in sorted({most, most // 2, 0}, reverse=True):
+                out.append(_candidate(shape, PlanInput(**{**asdict(inp), "no_recompute_layers": kept}), gpu))
     if gpu is not None:
         return sorted(out, key=lambda c: (c.relative_step_cost, c.predicted_gib))
     return sorted(out, key=lambda c: (c.accum, not c.graphs, c.relative_step_cost, c.predicted_gib))
 
 
-def fewer_recomputes_on(cfg) -> bool:
-    """Whether auto-fit may keep the last layers unrecomputed for this run's config (lever fewer_recomputes, on the
-    fast path): what the planner and the widgets say auto-fit will train, as training decides it."""
-    from nb_helpers.fast import gpu_options
+def fewer_recomputes_on(cfg, shape: Shape) -> bool:
+    """Whether auto-fit may keep the last layers unrecomputed for this run's config (the engine's choice, plan.engine):
+    what the planner and the widgets say auto-fit will train, as training decides it."""
+    from nb_helpers.plan.cards import budget_of
+    from nb_helpers.plan.engine import engine_view
 
-    return bool(cfg.fast_path and gpu_options(cfg.fast_path).fewer_recomputes)
+    return engine_view(cfg, shape, budget_of(cfg)).fewer_recomputes
 
 
 def _candidate(shape: Shape, inp: PlanInput, gpu: dict | None) -> Candidate:
@@ -113,12 +111,11 @@ def _candidate(shape: Shape, inp: PlanInput, gpu: dict | None) -> Candidate:
     if gpu is not None:
         seconds = predict_step_time(shape, inp, gpu).step_s  # offload: pinned CPU RAM, so only if faster
         return Candidate(inp.batch, inp.accum, gc, predicted, seconds * margins, inp.offload, inp.graphs, seconds,
-                         gpu["name"], kept, inp.keep_dequantized)
+                         gpu["name"], kept)
     recomputed = recomputed_layers(shape, inp) / shape.layers
     factor = (1 + (GC_COMPUTE_FACTOR - 1) * recomputed) * margins
     cost = inp.accum * (OVERHEAD_TOKENS + inp.batch * inp.seq * factor)
-    return Candidate(inp.batch, inp.accum, gc, predicted, cost, inp.offload, inp.graphs, no_recompute_layers=kept,
-                     keep_dequantized=inp.keep_dequantized)
+    return Candidate(inp.batch, inp.accum, gc, predicted, cost, inp.offload, inp.graphs, no_recompute_layers=kept)
 
 
 def auto_fit(shape: Shape, base: PlanInput, effective_batch: int, budget_gib: float, trial=None, log=print,

@@ -54,14 +54,12 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/RESULTS.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import asdict, dataclass, field
 
-from nb_helpers.lora import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
+from nb_helpers.plan.adapter import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
 from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes, saved_attention_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
-                                          absmax_kept_bytes, keeps_decoded_absmax, keeps_dequantized_weights,
-                                          known_families, load_shape,
+                                          absmax_kept_bytes, known_families, load_shape,
                                           nf4_bytes, plan_targets, recomputed_layers)
 
 CONSUMER_CONTEXT_GIB = 0.30  # CUDA 12/13 context on GTX 1650 / RTX 3050-class cards (H200: ~0.60, measured)
@@ -107,14 +105,10 @@ class PlanInput:
     dead_tail: bool = True  # the recompute skips the product nothing reads (nb_helpers.fast.recompute): time only
     dropout_kernels: bool = False  # LoRA's dropout inside its products (fast.lora_dropout): its input, no copy, saved
     absmax_once: bool = False  # double quant's absmax kept decoded in fp32 (fast.fused_lora.keep_decoded_absmax)
-    keep_dequantized: bool = False  # with GC: the recompute's dequantized weights kept for the layer's backward
-    keep_wanted: bool = False  # the lever on and the weights small (plan_for_config); kept where they fit (keep_fitted)
     down_once: bool = False  # with GC and dropout_kernels: the recompute reuses its forward's LoRA products (stashed)
     no_recompute_layers: int = 0  # with GC: the last N layers keep their activations, not recomputed
     one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
-    nf4_in_graphs: bool = False  # with graphs: NF4 dequantized by fast.nf4's kernel inside them: time only
-    qkv_once: bool = False  # q, k and v's LoRA backward one kernel, one input gradient (fast.qkv): time only
     saved_attention: bool = False  # offloaded eager checkpoints keep attention in CPU RAM too (fast.saved_attention)
 
     @property
@@ -276,35 +270,15 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     return Plan(inp, shape, {k: c[k] for k in COMPONENT_LABELS}, phase, budget_gib, notes=plan_notes(shape, inp))
 
 
-def gpu_extras_on(gpu_capability: tuple[int, int] | None, gpu_extras: bool | None = None) -> bool:
-    """Whether the planned GPU runs liger-kernel's fused layers: for this machine's own GPU, whether they are
-    installed here; for any other GPU (a CPU planning a GTX 1650, a named --gpu-capability), what `make` installs
-    beside an NVIDIA driver (requirements-gpu.txt), unless `gpu_extras` says otherwise. Planned from a CPU without
-    them, the stock MLP's extra saved tensor made plans up to 20% high (issue 26)."""
-    from nb_helpers.fast import kernels_installed
-    from nb_helpers.plan.dtypes import cuda_capability
-
-    if gpu_extras is not None:
-        return gpu_extras
-    try:
-        here = cuda_capability()
-    except (RuntimeError, AssertionError):  # a torch without CUDA support: no GPU here
-        here = None
-    return kernels_installed() if here is not None and gpu_capability in (None, here) else True
-
-
-def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None = None,
+def plan_for_config(cfg, shape: Shape, context_gib: float | None = None,
                     gpu_capability: tuple[int, int] | None = None, labelled_fraction: float = 1.0,
                     gpu_extras: bool | None = None) -> Plan:
-    """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names. `gpu_extras`: see
-    gpu_extras_on."""
-    from nb_helpers.plan.dtypes import cuda_capability, gpu_compute_dtype
-
-    if shape is None:
-        from nb_helpers.models import resolve_model
-
-        shape = load_shape(resolve_model(cfg, verbose=False).path)
+    """The planner's view of a RunConfig (nb_helpers.config): same knobs, same names, and what the engine that trains
+    it runs (plan.engine: the plain stack, or the fast path where `cfg.fast_path`). `gpu_extras`: whether the planned
+    GPU has the fast path's fused kernels (None: this machine's answer for its own GPU, else what `make` installs)."""
     from nb_helpers.plan.cards import budget_of, run_card
+    from nb_helpers.plan.dtypes import cuda_capability, gpu_compute_dtype
+    from nb_helpers.plan.engine import engine_view
 
     card = run_card(cfg)  # a named card: its capability and context, unless given here
     capability = gpu_capability or (card.capability if card else None) or cuda_capability() or (7, 5)
@@ -312,47 +286,15 @@ def plan_for_config(cfg, shape: Shape | None = None, context_gib: float | None =
         context_gib = card.context_gib
     # "auto" means what the planned GPU would pick, not this machine (a CPU may pick fp32)
     dtype = gpu_compute_dtype(cfg.compute_dtype, capability)
-    from nb_helpers.fast import gpu_options
-
-    fast = gpu_options(cfg.fast_path)  # the GPU path's levers, as cfg.fast_path and NB_FASTPATH leave them
     budget = budget_of(cfg)
+    engine = engine_view(cfg, shape, budget, gpu_capability, gpu_extras)
     inp = PlanInput(seq=cfg.max_length, batch=cfg.micro_batch_size, accum=cfg.grad_accum, rank=cfg.lora_r,
                     targets=tuple(cfg.target_modules), gradient_checkpointing=cfg.gradient_checkpointing,
                     optim=cfg.optim, compute_dtype=dtype, double_quant=cfg.double_quant,
                     lora_dropout=cfg.lora_dropout, labelled_fraction=labelled_fraction,
                     context_gib=default_context_gib() if context_gib is None else context_gib,
-                    gpu_capability=capability, lean=fast.lean, nomask=fast.nomask,
-                    fused_kernels=fast.kernels and gpu_extras_on(gpu_capability, gpu_extras),
-                    expandable=fast.expandable and platform.system() == "Linux",
-                    offload=cfg.fast_path and bool(cfg.offload_checkpoints or fast.offload) and cfg.gradient_checkpointing,
-                    graphs=cfg.graphs_wanted and fast.graphs and fast.reentrant,
-                    dead_tail=fast.skips_dead_tail(),
-                    dropout_kernels=fast.dropout_kernels and fast.fused_lora and gpu_extras_on(gpu_capability,
-                                                                                                gpu_extras),
-                    absmax_once=fast.absmax_once and fast.fused_lora and fast.direct_dequant
-                    and keeps_decoded_absmax(shape.linear_params, budget),
-                    keep_wanted=fast.keep_dequantized and fast.skips_dead_tail()
-                    and keeps_dequantized_weights(shape, budget),
-                    down_once=fast.down_once and fast.skips_dead_tail(),
-                    no_recompute_layers=cfg.no_recompute_layers if cfg.fast_path else 0,
-                    one_token_count=fast.one_token_count,
-                    frozen_norms=fast.frozen_norms and fast.fused_block and fast.fused_lora and fast.kernels,
-                    nf4_in_graphs=fast.nf4_in_graphs and fast.fused_lora and fast.direct_dequant,
-                    qkv_once=fast.qkv_once and fast.fused_block and fast.fused_lora and fast.dropout_kernels,
-                    saved_attention=fast.saved_attention and fast.fused_block and fast.fused_lora)
-    return plan(shape, keep_fitted(shape, inp, budget), budget_gib=budget)
-
-
-def keep_fitted(shape: Shape, inp: PlanInput, budget_gib: float | None, margin: float = FIT_MARGIN) -> PlanInput:
-    """`inp` keeping the recompute's dequantized weights (keep_wanted) only where the plan with them stays `margin`
-    under the budget: one layer's weights (62 MiB on TinyLlama) never cost a run its fit, nor auto-fit a layer it can
-    leave unrecomputed, which saves far more (an H200, 2026-12-03: at 8 x 2048 keeping them cost two such
-    layers and 4% of the step)."""
-    keep = inp.keep_wanted and inp.gradient_checkpointing
-    with_keep = PlanInput(**{**asdict(inp), "keep_dequantized": keep})
-    if keep and budget_gib and plan(shape, with_keep).peak_gib > budget_gib * (1 - margin):
-        return PlanInput(**{**asdict(inp), "keep_dequantized": False})
-    return with_keep
+                    gpu_capability=capability, **engine.terms)
+    return plan(shape, inp, budget_gib=budget)
 
 
 _CONTEXT_CACHE: dict[int, float] = {}

@@ -9,9 +9,7 @@ unit of work cost on the H200 where it was measured (kernel time by kind, torch.
     attention    the causal score and value products (half a square per layer; window layers a full band), with a
                  flash backward of 2.5 forwards
     dequantize   NF4 -> 16-bit weights once per pass: 2.5 bytes per weight, and two launches per GEMM (one where the
-                 double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax); the backward reuses
-                 the recompute's weights where they are kept (fast.recompute.keeps_weights); a byte costs less inside
-                 CUDA graphs, where fast.nf4's kernel runs
+                 double-quantized absmax is kept decoded: fast.fused_lora.keep_decoded_absmax)
     (the recompute leaves out the product nothing reads where nb_helpers.fast.recompute finds one: recomputed_params;
     the last no_recompute_layers layers are not recomputed at all: recomputed_layers; it reuses its forward's LoRA
     products where lever down_once stashes them)
@@ -72,13 +70,6 @@ STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging; not ad
 # lever frozen_norms: the fused-norm elements each norm's backward no longer costs, per hidden element of a token and
 # layer (device call 63: the norms' backward and the input's gradient sums took 5.4 ms less of an 8 x 2048 step)
 FROZEN_NORMS_SAVED = 0.34
-# lever nf4_in_graphs: inside CUDA graphs a dequantized byte costs this share of bitsandbytes' (device call 65: the
-# 422 dequantizes of an 8 x 512 graphed step took 2.79 against 3.75 ms)
-NF4_IN_GRAPHS_BYTES = 0.745
-# lever qkv_once: the fused-norm elements q, k and v's one backward kernel saves per hidden element of a token and
-# layer (device call 71: the two input-gradient adds, two grad_A reductions; 0.86 ms of an 8 x 512 step, 0.43 such
-# elements, and 1.8 ms of an 8 x 2048 step, 0.22, where the three-layer kernel took longer than three one-layer ones)
-QKV_ONCE_SAVED = 0.3
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
 
@@ -111,8 +102,6 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     recomputed, recomputed_gemms = recomputed_params(shape, inp)
     weights_per_pass = shape.linear_params * 2 + gc * recomputed * layers  # forward, backward, the recompute
     gemms = layers * (len(dims) * 2 + gc * recomputed_gemms)
-    kept = gc * getattr(inp, "keep_dequantized", False)  # the backward reuses the recompute's dequantized weights
-    dequantized, dequantizes = weights_per_pass - kept * recomputed * layers, gemms - kept * recomputed_gemms * layers
     targets = plan_targets(shape, inp.targets)
     lora_passes = 2 * (1 + gc) + 4  # two skinny GEMMs per forward, four in the backward
     # the recompute reusing its forward's rank-r products (lever down_once) writes its outputs and reads no input
@@ -127,8 +116,6 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
     norm_elements = tokens * layers * (shape.norms_per_layer * shape.hidden + q_and_k) * (1 + gc)
     if fused and getattr(inp, "frozen_norms", False) and shape.family == "llama":  # fast.fused_block's layers
         norm_elements -= FROZEN_NORMS_SAVED * tokens * layers * 2 * shape.hidden
-    if fused and _qkv_once_runs(shape, inp, targets):
-        norm_elements -= QKV_ONCE_SAVED * tokens * layers * shape.hidden
     return {
         "matmul_flops": 2 * tokens * weights_per_pass + 4 * tokens * shape.hidden * shape.vocab,
         "gemm_launches": gemms + 2,
@@ -137,21 +124,13 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
-        "dequant_bytes": 2.5 * dequantized * (NF4_IN_GRAPHS_BYTES if inp.graphs and getattr(inp, "nf4_in_graphs", False)
-                                              and inp.gradient_checkpointing else 1.0),
-        "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * dequantizes,  # absmax per call or kept
+        "dequant_bytes": 2.5 * weights_per_pass,
+        "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * gemms,  # absmax per call or kept
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
         "loss_elements": tokens * shape.vocab,
         "layer_passes": layers * passes,
     }
-
-
-def _qkv_once_runs(shape: Shape, inp, targets) -> bool:
-    """fast.qkv's one function for q, k and v: Llama layers with all three adapted, LoRA's dropout in its kernels."""
-    return bool(getattr(inp, "qkv_once", False) and shape.family == "llama"
-                and {"q_proj", "k_proj", "v_proj"} <= set(targets)
-                and getattr(inp, "dropout_kernels", False) and inp.lora_dropout > 0)
 
 
 def gpu_seconds_by_kind(work: dict[str, float], gpu: dict) -> dict[str, float]:

@@ -300,7 +300,7 @@ class PlanView:
 
         try:  # `planned`: the settings as set, graphs weighed, before any are dropped for the card
             choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None,
-                              gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg))
+                              gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg, self.shape))
         except MemoryError as e:
             return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
         return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "

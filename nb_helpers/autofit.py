@@ -7,11 +7,14 @@ Settings set by hand skip it; keep_graphs_within_budget then only drops CUDA gra
 from __future__ import annotations
 
 import gc
+import weakref
 
 from nb_helpers import compat, distributed, fast
 from nb_helpers.config import RunConfig
 from nb_helpers.data import longest_row_tokens
 from nb_helpers.plan.cards import budget_of, planning_context_gib
+
+_FUSED_HEADS: weakref.WeakSet = weakref.WeakSet()  # models given TRL's fused LM head for the trial step
 
 
 def fit_to_budget(run, verbose: bool = True) -> None:
@@ -46,10 +49,8 @@ def fit_to_budget(run, verbose: bool = True) -> None:
 def adopt_choice(model, fitted: RunConfig) -> None:
     """The checkpoint settings auto-fit chose, on this process's model (rank 0's choice reaches the others as a
     config): offload where the fast path installed it, CUDA graphs, and the layers not recomputed."""
-    if hasattr(model, "_nb_offload"):
-        model._nb_offload = bool(fitted.offload_checkpoints)
-    model._nb_use_graphs = fitted.graphs_wanted
-    model._nb_no_recompute = fitted.no_recompute_layers if fitted.gradient_checkpointing else 0
+    fast.use_checkpoint_choice(model, offload=fitted.offload_checkpoints, graphs=fitted.graphs_wanted,
+                               no_recompute_layers=fitted.no_recompute_layers if fitted.gradient_checkpointing else 0)
 
 
 def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True,
@@ -60,7 +61,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     import torch
 
     from nb_helpers.plan.memory import memory_snapshot
-    from nb_helpers.plan.choose import auto_fit
+    from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on
     from nb_helpers.plan.dtypes import resolve_compute_dtype
     from nb_helpers.plan.planner import plan_for_config
     from nb_helpers.plan.step_time import timing_gpu
@@ -77,7 +78,6 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
     vocab_top = min(tokenizer.vocab_size, shape.vocab)
 
     def trial(option) -> float | None:
-        fast.set_keep_dequantized(model, option.keep_dequantized)
         try:
             trial_step(model, option.batch, seq, option.gradient_checkpointing, dtype, vocab_top, option.offload,
                        option.graphs, option.no_recompute_layers)
@@ -89,9 +89,9 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
             torch.cuda.empty_cache()
 
     choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
-                      log=print if verbose else (lambda *_: None), offload_allowed=hasattr(model, "_nb_offload"),
+                      log=print if verbose else (lambda *_: None), offload_allowed=fast.can_offload(model),
                       gpu=timing_gpu(cfg),  # fastest on the run's card (or this GPU), by the time model
-                      fewer_recomputes=cfg.fast_path and fast.options_of(model).fewer_recomputes)
+                      fewer_recomputes=fewer_recomputes_on(cfg, shape))
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     torch.cuda.reset_peak_memory_stats()
@@ -107,7 +107,8 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     captured at their second call (fast.graphed_kept), so then the trial runs twice."""
     import torch
 
-    model._nb_use_graphs, model._nb_no_recompute = graphs, no_recompute_layers if checkpointing else 0
+    no_recompute_layers = no_recompute_layers if checkpointing else 0
+    fast.use_checkpoint_choice(model, graphs=graphs, no_recompute_layers=no_recompute_layers)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=fast.checkpoint_kwargs(model))
         fast.set_checkpoint_offload(model, offload)
@@ -119,12 +120,12 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     mask = torch.ones_like(ids)
     if batch > 1:  # real micro-batches are padded, which costs an attention mask: the trial pays it too
         mask[-1, -min(16, length // 2):] = 0
-    if not getattr(model, "_nb_fused_head", False):
+    if model not in _FUSED_HEADS:
         compat.add_fused_lm_head(model.get_base_model())
-        model._nb_fused_head = True
+        _FUSED_HEADS.add(model)
     try:
         with fast.out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly
-            for _ in range(2 if graphs and model._nb_no_recompute else 1):
+            for _ in range(2 if graphs and no_recompute_layers else 1):
                 with torch.autocast(device.type, dtype=dtype):
                     out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
                                 fused_lm_head=True)

@@ -101,7 +101,7 @@ def cmd_plan(args) -> int:
                                           gpu_capability=capability, labelled_fraction=args.labelled_fraction,
                                           gpu_extras=extras)
                 choice = auto_fit(shape, fitting.inputs, inp.batch * inp.accum, budget, log=lambda *_: None,
-                                  gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg))
+                                  gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg, shape))
                 print(f"auto-fit for effective batch {inp.batch * inp.accum}: {choice.describe()}")
             except MemoryError as e:
                 print(f"auto-fit: {e}")
