@@ -218,6 +218,51 @@ def reproducibility(runs: list[dict]) -> dict | None:
     return {k: first[k] for k in ("machine", "date", "command", "run_file")} | {"pairs": list(pairs.values())}
 
 
+# A lever stays where, taken out alone in one run beside our default, it costs at least this share of the step (on
+# the H200, host-bound) or of the GPU's compute per token (the step of a GPU-bound 4 GB card) at some workload
+KEEP_SHARE = 0.03
+TAKES_ALONG = {"down_once": "taken out, it takes saved_attention with it (which reuses its stash): at 8 × 2048 the "
+                            "two are measured together"}
+
+
+def lever_gains(runs: list[dict]) -> dict:
+    """Each lever's gain, from the runs that took levers out one at a time beside our default (bench/throughput.py
+    --gains): per workload, our default's median step (the median over its runs in that file) against the step
+    and GPU compute per token without the lever; the newest measurement of each lever wins."""
+    levers: dict[str, dict] = {}
+    for run in runs:
+        for workload in WORKLOADS:
+            found = runs_of(run, workload)
+            ours = [r for name, r in found.items() if name.startswith("ours") and r.get("median_step_s")]
+            if not ours:
+                continue
+            steps = [r["median_step_s"] for r in ours]
+            step, noise = statistics.median(steps), max(steps) / min(steps) - 1  # our default's own spread here
+            compute = statistics.median((r.get("busy") or {}).get("compute_us_per_token") or 0 for r in ours)
+            for name, r in found.items():
+                if not name.startswith("no-") or not r.get("median_step_s"):
+                    continue
+                off = (r.get("busy") or {}).get("compute_us_per_token")
+                levers.setdefault(name[3:].replace("-", "_"), {"workloads": {}})["workloads"][workload] = {
+                    "step_s": round(step, 4), "step_s_without": round(r["median_step_s"], 4),
+                    "step_gain": round(r["median_step_s"] / step - 1, 4), "step_noise": round(noise, 4),
+                    "compute_us_per_token": round(compute, 2) if compute else None,
+                    "compute_us_per_token_without": round(off, 2) if off else None,
+                    "compute_gain": round(off / compute - 1, 4) if off and compute else None,
+                    "peak_gib": round(statistics.median(o["peak_device_gib"] for o in ours), 2),
+                    "peak_gib_without": r.get("peak_device_gib") and round(r["peak_device_gib"], 2),
+                    **source(run)}
+    for lever, entry in levers.items():
+        entry["earns_its_place"] = any(
+            (w["step_gain"] >= max(KEEP_SHARE, w["step_noise"])) or (w["compute_gain"] or 0) >= KEEP_SHARE
+            for w in entry["workloads"].values())
+        if lever in TAKES_ALONG:
+            entry["note"] = TAKES_ALONG[lever]
+    return {"rule": f"kept where taking it out costs at least {KEEP_SHARE:.0%} of the GPU's compute per token, or of "
+                    "the step and more than our default's own step varied between its runs in that call, at one "
+                    "workload", "levers": dict(sorted(levers.items()))}
+
+
 def latest(runs_dir: Path = RUNS) -> dict:
     by_kind: dict[str, list[dict]] = {}
     for run in load_runs(runs_dir=runs_dir):
@@ -237,6 +282,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "multi_gpu": multi_gpu(list(seqs.values())),
         "reach": reach(newest(by_kind.get("reach", []))),
         "reproducibility": reproducibility(by_kind.get("reproducibility", [])),
+        "lever_gains": lever_gains(by_kind.get("lever-gains", [])),
     }
 
 
@@ -430,6 +476,26 @@ def markdown(data: dict) -> str:
                        f"{'yes' if pair['identical'] else 'no'} | {pair['max_relative_loss_difference']:.2%} | "
                        f"{pair['machine']}, {pair['date']} {refs(pair)} |")
         out += refs.lines()
+    lg = data.get("lever_gains") or {}
+    if lg.get("levers"):
+        refs = Refs()
+        out += ["", "## What each lever of the fast path gains", "",
+                f"Each lever taken out alone, in one run beside our default path (auto-fit on both), under a 4 GiB "
+                f"budget: the median step, and the GPU's compute per token of one profiled step (what a GPU-bound "
+                f"card such as a GTX 1650 pays). A lever is {lg['rule']}; the others were removed (git keeps them).",
+                "", "| lever | workload | step s: ours, without | GPU µs/token: ours, without | peak GiB: ours, without "
+                "| kept | measured |", "|---|---|---|---|---|---|---|"]
+        for lever, entry in lg["levers"].items():
+            for workload, w in entry["workloads"].items():
+                gain = f"{w['step_gain']:+.1%}; ours varied {w['step_noise']:.1%}"
+                compute = (f"{n(w['compute_us_per_token'], 2)}, {n(w['compute_us_per_token_without'], 2)} "
+                           f"({w['compute_gain']:+.1%})" if w["compute_gain"] is not None else "–")
+                out.append(f"| `{lever}` | {WORKLOADS[workload]} | {n(w['step_s'], 4)}, {n(w['step_s_without'], 4)} "
+                           f"({gain}) | {compute} | {n(w['peak_gib'], 2)}, {n(w['peak_gib_without'], 2)} | "
+                           f"{'yes' if entry['earns_its_place'] else 'no: removed'} | {w['machine']}, {w['date']} "
+                           f"{refs(w)} |")
+        notes = [f"`{lever}`: {entry['note']}." for lever, entry in lg["levers"].items() if entry.get("note")]
+        out += refs.lines() + (["", *notes] if notes else [])
     return "\n".join(out) + "\n"
 
 

@@ -635,7 +635,8 @@ def main() -> None:
 
         build("tinyllama-1.1b", str(model_dir), ROOT / "data", max_positions=4096)  # the grid's long points too
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
-    run_file = RunFile("throughput", out_dir=args.out_dir, out=args.out)  # command, versions, GPU, driver, commit
+    kind = "lever-gains" if args.gains else "throughput"  # a gains run measures levers, not the headline
+    run_file = RunFile(kind, out_dir=args.out_dir, out=args.out)  # command, versions, GPU, driver, commit
     out = {"budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
            "warmup_steps": WARMUP, "workloads": {}}
     keep = set(args.only.split(",")) if args.only else None
