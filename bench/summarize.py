@@ -259,7 +259,7 @@ def lever_gains(runs: list[dict]) -> dict:
         if lever in TAKES_ALONG:
             entry["note"] = TAKES_ALONG[lever]
     return {"rule": f"kept where taking it out costs at least {KEEP_SHARE:.0%} of the GPU's compute per token, or of "
-                    "the step and more than our default's own step varied between its runs in that call, at one "
+                    "the step and more than our default's own step varied between its runs beside it, at one "
                     "workload", "levers": dict(sorted(levers.items()))}
 
 
