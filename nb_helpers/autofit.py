@@ -104,7 +104,7 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     """One forward and backward at full length through the loss SFTTrainer uses (TRL's fused LM head), with a
     padded last row as real batches have; the gradients are dropped afterwards. With `graphs` the layers are
     captured as CUDA graphs, so the measured peak includes their memory pool; layers that keep their activations are
-    captured at their second call (fast.graphed_kept), so then the trial runs twice."""
+    captured at their second call (fast.graphed_layers.graphed_kept), so then the trial runs twice."""
     import torch
 
     no_recompute_layers = no_recompute_layers if checkpointing else 0

@@ -1,5 +1,6 @@
-"""CUDA-graphed checkpoints (nb_helpers.fast.graphed_layers): the eager half runs anywhere and must give torch's reentrant
-checkpoint's gradients; the graphs themselves (GPU, marked) must give the eager gradients and losses."""
+"""CUDA-graphed layers (nb_helpers.fast.graphed_layers), checkpointed or keeping their activations: the eager half runs
+anywhere and must give torch's reentrant checkpoint's gradients (a kept layer's, its plain call's); the graphs
+themselves (GPU, marked) must give the eager gradients and losses."""
 
 import pytest
 
@@ -85,6 +86,22 @@ def test_a_layer_called_with_an_object_runs_eagerly_and_says_so(capsys, monkeypa
     out.sum().backward()
     assert x.grad is not None and graphs.entries == {}
     assert "called with a value a CUDA graph cannot take" in capsys.readouterr().out
+
+
+def test_a_kept_layer_off_the_gpu_runs_its_plain_call():
+    """graphed_kept (a layer that keeps its activations, no recompute) off a GPU takes no graph entry: the layer's
+    own call, recorded by autograd as usual."""
+    import torch
+
+    from nb_helpers.fast import graphed_layers
+
+    layer = torch.nn.Linear(4, 4)
+    graphs = graphed_layers.LayerGraphs(layer)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = graphed_layers.graphed_kept(layer.forward, x, graphs=graphs)
+    assert torch.equal(out, layer(x)) and out.grad_fn is not None
+    out.sum().backward()
+    assert x.grad is not None and graphs.entries == {}
 
 
 @pytest.mark.gpu

@@ -14,8 +14,7 @@ import functools
 
 from nb_helpers import compat
 from nb_helpers.fast import recompute, saved_attention
-from nb_helpers.fast.graphed_kept import graphed_kept
-from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint
+from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint, graphed_kept
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
 from nb_helpers.fast.options import options_of
 from nb_helpers.frontend import say_once

@@ -1,9 +1,11 @@
-"""Checkpointed decoder layers replayed as CUDA graphs: one launch per layer instead of a few hundred.
+"""Decoder layers replayed as CUDA graphs: one launch per layer instead of a few hundred.
 
 At 8 x 512 tokens on an H200 the GPU was busy 29% of a training step (2026-12-01); the rest was the host
-launching about 4,600 kernels through Python, autograd and bitsandbytes. A checkpointed layer is a pure function
-of its inputs: its forward runs without autograd, and its backward recomputes the forward and differentiates it.
-So both halves are captured once per input shape and replayed from then on:
+launching about 4,600 kernels through Python, autograd and bitsandbytes. Two kinds of layer are graphed.
+
+A checkpointed layer is a pure function of its inputs: its forward runs without autograd, and its backward
+recomputes the forward and differentiates it. So both halves are captured once per input shape and replayed from then
+on (graphed_checkpoint):
 
   * forward graph: the layer under no_grad, from static input buffers into a static output buffer;
   * backward graph: the recompute and its gradients (for the layer's input and its LoRA weights).
@@ -13,15 +15,24 @@ rewound to its forward state before the recompute, as torch's checkpoint does (g
 seed and offset when they run). The first call of a shape runs once eagerly, as warm-up (Triton autotuning, cuBLAS
 and cuDNN set-up must not happen inside a capture), and is then captured.
 
-What graphs need, and what happens otherwise:
+A layer that keeps its activations (RunConfig.no_recompute_layers; fast.checkpoints) has no recompute: its forward
+runs with autograd recording, and its backward differentiates what that forward saved (graphed_kept). So its forward
+is captured with autograd on (the saved tensors live in the graphs' memory pool, at fixed addresses each replay
+refills), and its backward is captured from the record that capture left. A shape's first call runs eagerly, forward
+and backward, as the warm-up: the backward cannot warm up on the captured forward's saved tensors, because some
+kernels overwrite what they read (liger's SwiGLU backward writes its gradients into its saved inputs). Its second call
+is captured, and replays from then on.
+
+Both kinds share the pool, the capture stream, the entries per input signature, and the eager fallback for whatever a
+graph cannot take (the same math). What graphs need, and what happens otherwise:
   * static shapes: the training collator pads each batch to a multiple of PAD_MULTIPLE tokens (no attention mask:
     a causal model's real tokens never see the right padding), so a run meets a handful of shapes; past MAX_SHAPES
     per layer, new shapes run eagerly;
   * tensors and simple values as the layer's arguments; anything else (a cache object) runs eagerly;
   * a capture that fails (an operation that cannot be captured) leaves that layer eager, said once with the reason.
-All graphs share one memory pool, and layers of one shape share their input and output buffers. That is what graphs
-cost: the pool, measured at 2.4 times a layer's eager recompute-and-backward working memory, and two hidden states of
-buffers per shape (the planner's `graphs` term).
+All graphs share one memory pool, and checkpointed layers of one shape share their input and output buffers. That is
+what graphs cost: the pool, measured at 2.4 times a layer's eager recompute-and-backward working memory, and two
+hidden states of buffers per shape (the planner's `graphs` term).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ def padded_length(tokens: int) -> int:
     return -(-tokens // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
+# --- what both kinds share: the capture stream, the pool, the entries, a call's plan, the eager fallback --------------
 _STREAMS: dict = {}  # device index -> the capture stream, kept for the whole process (reset() keeps it)
 
 
@@ -119,21 +131,8 @@ class _Entry:
         self.forward = self.backward = None  # torch.cuda.CUDAGraph, once captured
         self.failed, self.buffers, self.out_spec, self.param_grads = False, None, None, []
         self.warmed = False  # a layer that keeps its activations: its first call of this shape ran eagerly
-        self.kept = None  # and what its graphs read and write (fast.graphed_kept._Kept)
+        self.kept = None  # and what its graphs read and write (_Kept)
         self.stash: dict = {}  # what the forward graph leaves for the backward graph's recompute (fast.recompute)
-
-
-class _Buffers:
-    """Static inputs and outputs for one input signature, shared by every layer of that shape and class: each
-    replay's results are copied out before the next layer replays. Two hidden states' worth: the backward graph
-    reads the output gradients where the forward graph writes its outputs, and writes the input gradients where the
-    inputs were, once the recompute has read them."""
-
-    def __init__(self, tensors, outputs):
-        self.inputs = [torch.empty_like(t) for t in tensors]
-        self.outputs = [torch.empty_like(o) for o in outputs]
-        self.grad_outputs = self.outputs
-        self.grad_inputs = [buffer if t.requires_grad else None for t, buffer in zip(tensors, self.inputs)]
 
 
 def _signature(leaves, params):
@@ -149,13 +148,6 @@ def _signature(leaves, params):
             return None
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
     return tuple(tensors), tuple(values), autocast, tuple(p.data_ptr() for p in params)
-
-
-def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
-    """A reentrant checkpoint of `function(*args, **kwargs)` (transformers passes the layer's call with its keyword
-    arguments bound), replayed from CUDA graphs for input shapes it has met before."""
-    plan, params = _plan_call(function, args, kwargs, graphs)
-    return plan.unflatten(_GraphedCheckpoint.apply(plan, *plan.tensors, *params))
 
 
 def _plan_call(function, args, kwargs, graphs: LayerGraphs):
@@ -205,6 +197,102 @@ def _generator(tensors):
     return torch.cuda.default_generators[device.index] if device is not None else torch.default_generator
 
 
+def _autocast(state):
+    enabled, dtype = state
+    return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)
+
+
+@contextmanager
+def _aliased_weights(owners):
+    """The layer's trainable weights swapped for detached aliases (the same storage) while the recompute runs: its
+    gradients are then taken for tensors born on the stream that runs it, not for the Parameters, whose gradient
+    accumulators the outer autograd graph holds on the default stream (a cross-stream wait inside a capture)."""
+    swapped = []
+    try:
+        for module, name in owners:
+            param = module._parameters[name]
+            module._parameters[name] = param.detach().requires_grad_()
+            swapped.append((module, name, param))
+        yield [module._parameters[name] for module, name, _ in swapped]
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def _differentiate(plan, tensors, needs, grad_outputs, autocast, stash=None):
+    """The recompute (reading what its forward left in `stash`) and its gradients: for each input (None where it
+    needs none), then for the trainable weights."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+    with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
+        with recompute.recomputing(plan.layer, stash):
+            outputs = plan.call(inputs)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
+        wrt = [t for t in inputs if t.requires_grad] + weights
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+    return [next(grads) if t.requires_grad else None for t in inputs], list(grads)
+
+
+def _on_side_stream(run, device, graph=None) -> None:
+    """Run `run` on the capture stream (capturing it into `graph` when given), ordered after the current stream's
+    work and before what the current stream does next."""
+    shared = _shared(device)
+    current = torch.cuda.current_stream(device)
+    shared.stream.wait_stream(current)
+    with torch.cuda.stream(shared.stream):
+        if graph is None:
+            run()
+        else:
+            graph.capture_begin(pool=shared.pool_for_capture(), capture_error_mode="thread_local")
+            try:
+                run()
+            finally:
+                graph.capture_end()
+    current.wait_stream(shared.stream)
+
+
+_STRICT: list = [False]
+
+
+@contextmanager
+def out_of_memory_raises():
+    """Inside: a capture that runs out of memory raises instead of falling back to eager layers, so that auto-fit's
+    trial step sees that a graphed candidate does not fit (and steps down) rather than measuring an eager one."""
+    _STRICT[0] = True
+    try:
+        yield
+    finally:
+        _STRICT[0] = False
+
+
+def _fail(entry, plan, error) -> None:
+    if _STRICT[0] and "OutOfMemoryError" in type(error).__name__:
+        raise error
+    entry.failed, entry.forward, entry.backward = True, None, None
+    say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
+                            f"({type(error).__name__}: {str(error)[:160]}); it runs without graphs (same math)")
+
+
+# --- checkpointed layers: the no_grad forward, and the recompute with its gradients -----------------------------------
+class _Buffers:
+    """Static inputs and outputs for one input signature, shared by every layer of that shape and class: each
+    replay's results are copied out before the next layer replays. Two hidden states' worth: the backward graph
+    reads the output gradients where the forward graph writes its outputs, and writes the input gradients where the
+    inputs were, once the recompute has read them."""
+
+    def __init__(self, tensors, outputs):
+        self.inputs = [torch.empty_like(t) for t in tensors]
+        self.outputs = [torch.empty_like(o) for o in outputs]
+        self.grad_outputs = self.outputs
+        self.grad_inputs = [buffer if t.requires_grad else None for t, buffer in zip(tensors, self.inputs)]
+
+
+def graphed_checkpoint(function, *args, graphs: LayerGraphs, **kwargs):
+    """A reentrant checkpoint of `function(*args, **kwargs)` (transformers passes the layer's call with its keyword
+    arguments bound), replayed from CUDA graphs for input shapes it has met before."""
+    plan, params = _plan_call(function, args, kwargs, graphs)
+    return plan.unflatten(_GraphedCheckpoint.apply(plan, *plan.tensors, *params))
+
+
 class _GraphedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, *tensors_and_params):
@@ -246,82 +334,6 @@ class _GraphedCheckpoint(torch.autograd.Function):
         finally:
             ctx.generator.set_state(now)
         return (None, *grads)
-
-
-def _autocast(state):
-    enabled, dtype = state
-    return torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False)
-
-
-@contextmanager
-def _aliased_weights(owners):
-    """The layer's trainable weights swapped for detached aliases (the same storage) while the recompute runs: its
-    gradients are then taken for tensors born on the stream that runs it, not for the Parameters, whose gradient
-    accumulators the outer autograd graph holds on the default stream (a cross-stream wait inside a capture)."""
-    swapped = []
-    try:
-        for module, name in owners:
-            param = module._parameters[name]
-            module._parameters[name] = param.detach().requires_grad_()
-            swapped.append((module, name, param))
-        yield [module._parameters[name] for module, name, _ in swapped]
-    finally:
-        for module, name, param in swapped:
-            module._parameters[name] = param
-
-
-def _differentiate(plan, tensors, needs, grad_outputs, autocast, stash=None):
-    """The recompute (reading what its forward left in `stash`) and its gradients: for each input (None where it
-    needs none), then for the trainable weights."""
-    inputs = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
-    with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
-        with recompute.recomputing(plan.layer, stash):
-            outputs = plan.call(inputs)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad and g is not None]
-        wrt = [t for t in inputs if t.requires_grad] + weights
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
-    return [next(grads) if t.requires_grad else None for t in inputs], list(grads)
-
-
-# --- capture and replay -----------------------------------------------------------------------------------------
-def _on_side_stream(run, device, graph=None) -> None:
-    """Run `run` on the capture stream (capturing it into `graph` when given), ordered after the current stream's
-    work and before what the current stream does next."""
-    shared = _shared(device)
-    current = torch.cuda.current_stream(device)
-    shared.stream.wait_stream(current)
-    with torch.cuda.stream(shared.stream):
-        if graph is None:
-            run()
-        else:
-            graph.capture_begin(pool=shared.pool_for_capture(), capture_error_mode="thread_local")
-            try:
-                run()
-            finally:
-                graph.capture_end()
-    current.wait_stream(shared.stream)
-
-
-_STRICT: list = [False]
-
-
-@contextmanager
-def out_of_memory_raises():
-    """Inside: a capture that runs out of memory raises instead of falling back to eager layers, so that auto-fit's
-    trial step sees that a graphed candidate does not fit (and steps down) rather than measuring an eager one."""
-    _STRICT[0] = True
-    try:
-        yield
-    finally:
-        _STRICT[0] = False
-
-
-def _fail(entry, plan, error) -> None:
-    if _STRICT[0] and "OutOfMemoryError" in type(error).__name__:
-        raise error
-    entry.failed, entry.forward, entry.backward = True, None, None
-    say_once("graph-fail", f"[fast] {plan.graphs.layer_name} could not be captured as a CUDA graph "
-                            f"({type(error).__name__}: {str(error)[:160]}); it runs without graphs (same math)")
 
 
 def _capture_forward(plan, entry, tensors, ctx) -> None:
@@ -396,3 +408,124 @@ def _replay_backward(entry, tensors, grad_outputs):
     # the params' gradients are this layer's own graph outputs, which autograd adds into .grad right away
     return [None if b is None else b.clone() for b in buffers.grad_inputs] + list(entry.param_grads)
 
+
+# --- layers that keep their activations: the forward with autograd, and its gradients ---------------------------------
+class _Kept:
+    """One kept layer's graphs, for one shape: its own input buffers (its saved tensors may be views of them), the
+    forward's autograd record from the capture (until the backward is captured from it), the static outputs, and
+    the backward's static gradients."""
+
+    def __init__(self, inputs, leaves, weights, outputs):
+        self.inputs, self.leaves, self.weights, self.outputs = inputs, leaves, weights, outputs
+        self.grad_outputs: list = []
+        self.input_grads: list = []
+        self.param_grads: list = []
+
+
+def graphed_kept(function, *args, graphs: LayerGraphs, **kwargs):
+    """A layer that keeps its activations (no checkpoint, so no recompute), its forward with autograd and its
+    backward replayed as CUDA graphs. A shape's first call runs eagerly, forward and backward, as the warm-up (the
+    backward cannot warm up on the captured forward's saved tensors: some kernels overwrite them, liger's SwiGLU
+    among them); its second is captured. Whatever a graph cannot take runs eagerly (the same math)."""
+    plan, params = _plan_call(function, args, kwargs, graphs)
+    entry = plan.entry
+    if entry is None or entry.failed or not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if not entry.warmed:
+        entry.warmed = True
+        return function(*args, **kwargs)
+    if entry.forward is None:
+        _capture_kept_forward(plan, entry)
+        if entry.forward is None:
+            return function(*args, **kwargs)
+    return plan.unflatten(_GraphedKept.apply(plan, *plan.tensors, *params))
+
+
+def _capture_kept_forward(plan, entry) -> None:
+    """Capture the layer's forward with autograd recording: the saved tensors live in the graphs' pool, the record of
+    what to differentiate stays on the entry until the backward is captured from it."""
+    tensors, device = plan.tensors, plan.tensors[0].device
+    generator, autocast = _generator(tensors), (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    rng = generator.get_state()
+    needs = [t.requires_grad for t in tensors]
+    inputs = [torch.empty_like(t) for t in tensors]
+    # the warm-up's activations, freed into the allocator's cache, would sit beside the pool's copy of them (call
+    # 52: 0.27 GiB over the plan at 8 x 512 with three layers kept): given back before the pool takes its own
+    torch.cuda.empty_cache()
+
+    def run():
+        leaves = [buffer.detach().requires_grad_(need) for buffer, need in zip(inputs, needs)]
+        with _aliased_weights(plan.owners) as weights, torch.enable_grad(), _autocast(autocast):
+            outputs = plan.call(leaves)
+        entry.kept = _Kept(inputs, leaves, weights, outputs)
+
+    try:
+        graph = torch.cuda.CUDAGraph()
+        _on_side_stream(run, device, graph)
+        entry.forward, entry.out_spec = graph, plan.out_spec
+    except Exception as error:  # noqa: BLE001 - whatever cannot be captured runs eagerly
+        entry.kept = None
+        _fail(entry, plan, error)
+    finally:
+        generator.set_state(rng)  # the replay draws this call's dropout masks
+
+
+def _capture_kept_backward(entry, grad_outputs, device) -> None:
+    """Capture the gradients of the captured forward's record: for the inputs that need them and the LoRA weights."""
+    kept = entry.kept
+    kept.grad_outputs = [torch.empty_like(g) for g in grad_outputs]
+
+    def run():
+        pairs = [(o, g) for o, g in zip(kept.outputs, kept.grad_outputs) if o.requires_grad]
+        wrt = [t for t in kept.leaves if t.requires_grad] + kept.weights
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True))
+        kept.input_grads = [next(grads) if t.requires_grad else None for t in kept.leaves]
+        kept.param_grads = [torch.zeros_like(w) if g is None else g for w, g in zip(kept.weights, grads)]
+
+    graph = torch.cuda.CUDAGraph()
+    _on_side_stream(run, device, graph)
+    entry.backward = graph
+    kept.outputs, kept.leaves = [o.detach() for o in kept.outputs], None  # the record is spent; the memory stays
+
+
+class _GraphedKept(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, *tensors_and_params):
+        entry = plan.entry
+        tensors = tensors_and_params[:len(plan.tensors)]
+        ctx.plan, ctx.entry = plan, entry
+        ctx.generator = _generator(tensors)
+        ctx.rng = ctx.generator.get_state()
+        ctx.autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        ctx.needs = [t.requires_grad for t in tensors]
+        ctx.save_for_backward(*tensors)  # only for a backward capture that fails: it recomputes, as a checkpoint
+        for buffer, tensor in zip(entry.kept.inputs, tensors):
+            # through .data: a copy that leaves the version counter alone, which the capture's saved views of the
+            # buffer share (RoPE saves cos and sin): autograd would otherwise refuse to capture the backward
+            buffer.data.copy_(tensor)
+        entry.forward.replay()
+        plan.out_spec = entry.out_spec
+        return tuple(out.detach().clone() for out in entry.kept.outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        entry = ctx.entry
+        if entry.backward is None and not entry.failed:
+            try:
+                _capture_kept_backward(entry, grad_outputs, grad_outputs[0].device)
+            except Exception as error:  # noqa: BLE001 - recompute instead, as a checkpoint would, and run eagerly
+                _fail(entry, ctx.plan, error)
+                entry.kept = None  # the capture's record and its saved tensors go
+        if entry.backward is None:
+            now = ctx.generator.get_state()
+            ctx.generator.set_state(ctx.rng)
+            try:
+                inputs, params = _differentiate(ctx.plan, ctx.saved_tensors, ctx.needs, grad_outputs, ctx.autocast)
+            finally:
+                ctx.generator.set_state(now)
+            return (None, *inputs, *params)
+        kept = entry.kept
+        for buffer, grad in zip(kept.grad_outputs, grad_outputs):
+            buffer.copy_(grad)
+        entry.backward.replay()
+        return (None, *[None if g is None else g.clone() for g in kept.input_grads], *kept.param_grads)
