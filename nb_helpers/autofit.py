@@ -26,8 +26,7 @@ def fit_to_budget(run, verbose: bool = True) -> None:
     seq = min(run.cfg.max_length, longest_row_tokens(run.train_rows, run.tokenizer))
     if verbose and seq < run.cfg.max_length:
         print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
-    if fast.pad_multiple(run.model):  # batches are padded to a multiple of 64 tokens: fit for that length
-        seq = fast.padded_length(seq)
+    seq = fast.fit_length(run.model, seq)  # where batches are padded to a multiple of 64 tokens: fit for that length
     context = planning_context_gib(run.cfg, run.summary.get("cuda_context_gib"))
     fitted = error = None
     if distributed.is_main():
@@ -84,7 +83,7 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
             torch.cuda.synchronize()
             return memory_snapshot()["device_used_gib"]
         finally:
-            fast.reset_graphs()  # the trial's graphs (and their memory pool): training captures its own
+            fast.end_trial()  # the trial's graphs (and their memory pool): training captures its own
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -108,12 +107,7 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
     import torch
 
     no_recompute_layers = no_recompute_layers if checkpointing else 0
-    fast.use_checkpoint_choice(model, graphs=graphs, no_recompute_layers=no_recompute_layers)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=fast.checkpoint_kwargs(model))
-        fast.set_checkpoint_offload(model, offload)
-    else:
-        model.gradient_checkpointing_disable()
+    fast.prepare_trial(model, checkpointing, offload, graphs, no_recompute_layers)
     model.train()
     device = next(p.device for p in model.parameters() if p.requires_grad)
     ids = torch.randint(0, vocab, (batch, length), device=device)
@@ -124,7 +118,7 @@ def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab
         compat.add_fused_lm_head(model.get_base_model())
         _FUSED_HEADS.add(model)
     try:
-        with fast.out_of_memory_raises():  # a graphed candidate that does not fit must fail its trial, not run eagerly
+        with fast.trial_guard():  # a graphed candidate that does not fit must fail its trial, not run eagerly
             for _ in range(2 if graphs and no_recompute_layers else 1):
                 with torch.autocast(device.type, dtype=dtype):
                     out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),

@@ -49,7 +49,6 @@ def bookkeeping_args(run) -> dict:
     return dict(
         output_dir=str(Path(run.run_dir or ".") / "checkpoints"),
         per_device_eval_batch_size=cfg.micro_batch_size,
-        gradient_checkpointing_kwargs=fast.checkpoint_kwargs(run.model),
         logging_steps=cfg.logging_steps,
         logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
         save_strategy="steps",
@@ -57,11 +56,6 @@ def bookkeeping_args(run) -> dict:
         save_total_limit=2,
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
-        # metrics.jsonl takes TRL's token count; fast.host_step says why the fast path leaves the Trainer's out
-        include_num_input_tokens_seen=fast.trainer_token_count(run.model),
-        # lengths padded to a multiple of 64 make a few shapes: CUDA-graphed layers replay one graph per shape, and
-        # cuDNN's attention builds its plans once per shape (eager layers on CUDA)
-        pad_to_multiple_of=fast.pad_multiple(run.model),
         report_to="none",
         data_seed=cfg.seed,
         use_cpu=not cuda,
@@ -73,6 +67,7 @@ def bookkeeping_args(run) -> dict:
         # nor broadcast the model's buffers from rank 0 before every forward: each process computes them from the
         # config and its own batch (RoPE's inv_freq, Gemma's embed_scale), nothing is learned
         ddp_broadcast_buffers=False if run.world_size > 1 else None,
+        **fast.trainer_arguments(run.model),  # checkpoints, token count, batch padding: the fast path's, or the stock
     )
 
 def adapt_trainer(run, trainer) -> None:

@@ -3,7 +3,7 @@ tests/test_recompute.py and tests/test_fused_block.py."""
 
 import torch
 
-from nb_helpers.fast import checkpoints, fused_lora
+from nb_helpers.fast import state, checkpoints, fused_lora
 from nb_helpers.fast.options import FastOptions
 
 
@@ -31,9 +31,8 @@ def use_checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool 
                     down_once: bool = True):
     """Reentrant checkpoints through the fast path's checkpoint functions, the recompute's dead product skipped or not,
     its forward's LoRA products reused or not, the last `no_recompute` layers not checkpointed."""
-    model._nb_fast = FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs,
-                                 down_once=down_once)
-    model._nb_use_graphs, model._nb_no_recompute = graphs, no_recompute
+    state.attach(model, FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs,
+                                    down_once=down_once), use_graphs=graphs, no_recompute=no_recompute)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     checkpoints.set_checkpoint_offload(model, offload)
 

@@ -11,6 +11,7 @@ from nb_helpers import frontend
 from nb_helpers.fast import checkpoints
 from nb_helpers.fast.mask import decoder_of, guard_collator
 from nb_helpers.fast.options import FastOptions
+from nb_helpers.fast.state import FastPath
 
 
 def test_levers_from_the_environment(monkeypatch):
@@ -391,8 +392,8 @@ def test_batches_are_padded_to_64_tokens_where_graphs_run_or_the_pad_lengths_lev
     from nb_helpers.fast.checkpoints import pad_multiple
 
     def model(graphs, pad_lengths, use_graphs=True):
-        return SimpleNamespace(_nb_fast=FastOptions(graphs=graphs, reentrant=True, pad_lengths=pad_lengths),
-                               _nb_use_graphs=use_graphs)
+        return SimpleNamespace(_nb_fast_path=FastPath(FastOptions(graphs=graphs, reentrant=True,
+                                                                  pad_lengths=pad_lengths), use_graphs=use_graphs))
 
     monkeypatch.delenv("NB_FASTPATH", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

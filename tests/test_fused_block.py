@@ -11,6 +11,7 @@ from fused_models import fused_model, train_step, use_checkpoints
 from nb_helpers.fast import fused_block, recompute
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
+from nb_helpers.fast.state import FastPath
 
 
 def _model(tiny_cfg, **kwargs):
@@ -141,16 +142,17 @@ def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
         (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "saved_attention": 2 * saved})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
-    model = SimpleNamespace(_nb_levers={"kernels": True, "fused_lora": False})
+    model = SimpleNamespace(_nb_fast_path=FastPath(FastOptions(), ran={"kernels": True, "fused_lora": False}))
     cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False, budget_gib=4.0,
                           gradient_checkpointing=True, no_recompute_layers=0)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
     assert calls == [] and kept == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False), cfg)
-    assert calls == [(True, False)] and model._nb_levers["fused_block"] is True
-    assert model._nb_levers["frozen_norms"] is False
-    assert kept == [(model, 4.0)] and model._nb_levers["absmax_once"] is True
+    ran = model._nb_fast_path.ran
+    assert calls == [(True, False)] and ran["fused_block"] is True
+    assert ran["frozen_norms"] is False
+    assert kept == [(model, 4.0)] and ran["absmax_once"] is True
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import pytest
 
 from nb_helpers import fast as fastpath
 from nb_helpers import frontend
+from nb_helpers.fast import checkpoints
 from nb_helpers.fast.checkpoints import graphed_function
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
@@ -63,10 +64,10 @@ def test_graphed_checkpoint_without_graphs_gives_torchs_reentrant_gradients(tiny
 def test_graphs_follow_the_levers(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.delenv(fastpath.ENV_VAR, raising=False)
-    assert fastpath.graphs_on()  # the GPU default
+    assert checkpoints.graphs_on()  # the GPU default
     for levers in ("graphs=0", "reentrant=0"):
         monkeypatch.setenv(fastpath.ENV_VAR, levers)
-        assert not fastpath.graphs_on(), levers
+        assert not checkpoints.graphs_on(), levers
 
 
 def test_a_layer_called_with_an_object_runs_eagerly_and_says_so(capsys, monkeypatch):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from fused_models import fused_model, train_step, use_checkpoints
-from nb_helpers.fast import checkpoints, fused_lora
+from nb_helpers.fast import checkpoints, fused_lora, state
+from nb_helpers.fast.options import FastOptions
+from nb_helpers.fast.state import FastPath
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.plan.architecture import recomputed_layers
 from nb_helpers.plan.choose import KEPT_FACTOR, OFFLOAD_FACTOR, candidates, most_layers_kept
@@ -76,7 +78,7 @@ def test_on_a_cpu_the_knob_says_it_does_not_apply(tiny_cfg, capsys, monkeypatch)
         pytest.skip("the CPU's note")
     monkeypatch.setattr(frontend, "_SAID", set())
     model = fused_model(tiny_cfg, fused_block=False)
-    model._nb_no_recompute = 2
+    state.path_of(model).no_recompute = 2
     assert checkpoints.install_offload(model, False) is False
     assert "no_recompute_layers applies on a CUDA GPU" in capsys.readouterr().out
 
@@ -196,8 +198,9 @@ def test_every_process_takes_rank_0_s_choice(monkeypatch, tiny_cfg):
     monkeypatch.setattr(distributed, "broadcast", lambda value: fitted)
     monkeypatch.setattr(autofit, "longest_row_tokens", lambda rows, tokenizer: 64)
     monkeypatch.setattr(planner, "plan_for_config", lambda *args, **kwargs: "planned")
-    model = SimpleNamespace(_nb_offload=False, _nb_use_graphs=False, _nb_no_recompute=0)
+    path = FastPath(FastOptions(), offload=False, use_graphs=False, no_recompute=0)
+    model = SimpleNamespace(_nb_fast_path=path)
     run = SimpleNamespace(cfg=tiny_cfg, model=model, train_rows=[], tokenizer=None, summary={}, shape=None)
     autofit.fit_to_budget(run, verbose=False)
     assert run.cfg is fitted and run.prediction == "planned"
-    assert (model._nb_offload, model._nb_use_graphs, model._nb_no_recompute) == (True, True, 3)
+    assert (path.offload, path.use_graphs, path.no_recompute) == (True, True, 3)

@@ -10,6 +10,7 @@ from fused_models import fused_model, train_step, use_checkpoints
 from nb_helpers.fast import checkpoints, fused_lora, recompute
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
+from nb_helpers.fast.state import FastPath
 
 
 def _dequantized(monkeypatch, model):
@@ -78,11 +79,13 @@ def test_a_tensor_saved_after_the_last_linear_keeps_its_product(tiny_cfg):
 def test_the_lever_follows_the_options_and_marks_probe_again():
     from types import SimpleNamespace
 
-    assert checkpoints.tail_lever_on(SimpleNamespace(_nb_fast=FastOptions(dead_tail=True, reentrant=True,
-                                                                          fused_lora=True)))
+    def model(fast):
+        return SimpleNamespace(_nb_fast_path=FastPath(fast))
+
+    assert checkpoints.tail_lever_on(model(FastOptions(dead_tail=True, reentrant=True, fused_lora=True)))
     for off in ({"dead_tail": False}, {"reentrant": False}, {"fused_lora": False}):
         fast = FastOptions(**{"dead_tail": True, "reentrant": True, "fused_lora": True, **off})
-        assert not checkpoints.tail_lever_on(SimpleNamespace(_nb_fast=fast)), off
+        assert not checkpoints.tail_lever_on(model(fast)), off
     layer = SimpleNamespace()
     recompute.mark(layer, True)
     with recompute.recomputing(layer):  # a recompute with no 4-bit layer in it: nothing to skip

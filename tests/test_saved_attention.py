@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fused_models import fused_model, train_step, use_checkpoints
-from nb_helpers.fast import checkpoints, fused_block, saved_attention
+from nb_helpers.fast import checkpoints, fused_block, saved_attention, state
 from nb_helpers.fast.mask import decoder_of
 
 
@@ -54,7 +54,7 @@ def test_offloaded_training_skips_the_recompute_s_attention_with_the_same_gradie
     monkeypatch.setattr(saved_attention.SavedAttention, "apply", lambda *a: reused.append(1) or real(*a))
     kept = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert len(reused) == 3 * (layers - 1)
-    model._nb_fast.saved_attention = False
+    state.options_of(model).saved_attention = False
     checkpoints.set_checkpoint_offload(model, True)
     again = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     assert len(reused) == 3 * (layers - 1)  # none more: the recompute attended again

@@ -1,34 +1,40 @@
-"""The fast path: not needed to follow the course; `RunConfig(fast_path=False)` turns it off.
+"""The fast path, a plugin: not needed to follow the course; `RunConfig(fast_path=False)` turns it off.
 
 On a CUDA GPU it trains the reference recipe's math with less memory and less time per token than the plain
-transformers + peft + TRL stack (bench/RESULTS.md; bench/results/runs/ has each lever measured alone). Off,
-or on a CPU, the course runs the stock layers of notebooks 01-03 and nothing in this folder touches the model.
-The course reaches it through this module alone, in four calls:
+transformers + peft + TRL stack (bench/RESULTS.md, which also tables what each lever gains alone). Off, or on a CPU,
+the course runs the stock layers of notebooks 01-03 and nothing in this folder touches the model. Its state for a
+model is one object on it (fast.state.FastPath), written by this folder alone. The course reaches it through this
+module, and only through these calls:
 
     fast = options_for(cfg)               # which levers this run may use (fast.options; NB_FASTPATH for benchmarks)
     before_lora(model, fast)              # fused kernels on the base model                    (fast.kernels)
     after_lora(model, fast, cfg)          # no mask, fused QLoRA layers and blocks, checkpoints (fast.mask,
                                           #   fast.fused_lora, fast.fused_block, fast.frozen_norms,
                                           #   fast.saved_attention, fast.checkpoints, fast.offload, fast.graphed_layers)
+    SFTConfig(..., **trainer_arguments(model))  # reentrant checkpoints, the token count, batch padding
     adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, the collator's padding
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
                                           #   fast.optimizer_step)
+    fit_length, prepare_trial, trial_guard, end_trial, use_checkpoint_choice, can_offload   # auto-fit's trial
+    levers_ran, levers_line, lever_table  # what config.json, summary.json, the log and notebook 03 say ran
 
-One lever, one line, each switchable with NB_FASTPATH="lever=0" (fast.options.FastOptions lists them). Every private
-API of another library that the package uses is checked in nb_helpers.compat, and the riskiest calls go through it:
-a failed check turns its lever off with one line naming the API, and `make test` fails on it. `levers_ran(model,
-cfg)` is what config.json, summary.json and the log say ran.
+The planner learns what the fast path runs from fast.plan_terms, which the package registers with plan.engine: the
+planner never imports this folder. A lever is one FastOptions field, its own module, its lines in after_lora or
+adapt_trainer, its terms in fast.plan_terms and its tests; NB_FASTPATH="lever=0" turns one off. Every private API of
+another library that it uses is checked in nb_helpers.compat: a failed check turns its lever off with one line naming
+the API, and `make test` fails on it.
 """
 
 from __future__ import annotations
 
-from nb_helpers.fast.options import DECODED_ABSMAX, ENV_VAR, FastOptions, gpu_options, kernels_installed, options_of
+from nb_helpers.fast.options import DECODED_ABSMAX, ENV_VAR, FastOptions, gpu_options, kernels_installed
+from nb_helpers.fast.state import FastPath, attach, options_of, path_of, record
 from nb_helpers.frontend import say_once
 
-__all__ = ["DECODED_ABSMAX", "ENV_VAR", "FastOptions", "gpu_options", "kernels_installed", "options_of", "options_for",
-           "before_lora", "after_lora", "adapt_trainer", "levers_ran", "levers_line", "use_expandable_segments",
-           "checkpoint_kwargs", "graphs_on", "pad_multiple", "padded_length", "set_checkpoint_offload",
-           "out_of_memory_raises", "reset_graphs", "lever_table", "trainer_token_count"]
+__all__ = ["ENV_VAR", "FastOptions", "FastPath", "gpu_options", "options_for", "before_lora", "after_lora",
+           "trainer_arguments", "adapt_trainer", "fit_length", "prepare_trial", "trial_guard", "end_trial",
+           "use_checkpoint_choice", "can_offload", "levers_ran", "levers_line", "lever_table", "use_expandable_segments",
+           "kept_quant_state_bytes"]
 
 
 def options_for(cfg) -> FastOptions:
@@ -56,8 +62,8 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     from nb_helpers.fast.checkpoints import install_offload
     from nb_helpers.fast.mask import install_mask_drop
 
-    model._nb_fast, model._nb_use_graphs, model._nb_levers = fast, cfg.graphs_wanted, getattr(model, "_nb_levers", {})
-    model._nb_no_recompute = cfg.no_recompute_layers if cfg.gradient_checkpointing else 0
+    state = attach(model, fast, use_graphs=cfg.graphs_wanted,
+                   no_recompute=cfg.no_recompute_layers if cfg.gradient_checkpointing else 0)
     if fast.nomask:
         install_mask_drop(model)
     if fast.fused_lora:
@@ -73,12 +79,12 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
             from nb_helpers.fast.fused_lora import keep_decoded_absmax
             from nb_helpers.plan.cards import budget_of
 
-            record(model, "absmax_once", model._nb_levers.get("fused_lora", False) and fast.direct_dequant
+            record(model, "absmax_once", state.ran.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
-    if fast.fused_block and model._nb_levers.get("fused_lora"):
+    if fast.fused_block and state.ran.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
-        counts = apply_fused_block(model, liger=bool(model._nb_levers.get("kernels")), frozen=fast.frozen_norms,
+        counts = apply_fused_block(model, liger=bool(state.ran.get("kernels")), frozen=fast.frozen_norms,
                                    saved=fast.saved_attention)
         record(model, "fused_block", counts["layers"] > 0)
         record(model, "frozen_norms", counts["frozen_norms"] > 0)
@@ -96,9 +102,10 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 def adapt_trainer(trainer, model) -> None:
     """On a built trainer: the training rows read as arrays, model.train() walks the modules only on a change; a batch
     that is not right-padded turns the mask drop off; the optimizer steps through bitsandbytes' kernels directly."""
-    fast = getattr(model, "_nb_fast", None)
-    if fast is None or not any(fast.speed_levers().values()):  # the plain stack: the Trainer as TRL builds it
+    state = path_of(model)
+    if state is None or not any(state.options.speed_levers().values()):  # the plain stack: the Trainer as TRL built it
         return
+    fast = state.options
     from nb_helpers.fast.host_step import flops_counter
 
     trainer.floating_point_ops = flops_counter(model)  # the parameters counted once, not at every step
@@ -120,27 +127,26 @@ def adapt_trainer(trainer, model) -> None:
         install_on_trainer(trainer)
 
 
-def record(model, lever: str, ran: bool) -> None:
-    """What an installer found: some levers can only fall back once they meet the model (no liger for this family)."""
-    model._nb_levers = {**getattr(model, "_nb_levers", {}), lever: bool(ran)}
-
-
 def use_checkpoint_choice(model, offload: bool | None = None, graphs: bool | None = None,
                           no_recompute_layers: int | None = None) -> None:
     """Auto-fit's choice (or its trial's) for this model's checkpoints: in CPU RAM where the fast path installed the
     offload, replayed as CUDA graphs, and how many of the last layers keep their activations; None leaves one as it
     is. fast.checkpoints reads them when it points each layer at its checkpoint function."""
-    if offload is not None and can_offload(model):
-        model._nb_offload = bool(offload)
+    state = path_of(model)
+    if state is None:
+        raise ValueError("use_checkpoint_choice: this model was not prepared by attach_lora")
+    if offload is not None and state.offload is not None:
+        state.offload = bool(offload)
     if graphs is not None:
-        model._nb_use_graphs = bool(graphs)
+        state.use_graphs = bool(graphs)
     if no_recompute_layers is not None:
-        model._nb_no_recompute = max(0, int(no_recompute_layers))
+        state.no_recompute = max(0, int(no_recompute_layers))
 
 
 def can_offload(model) -> bool:
     """Whether this model's checkpoints can go to CPU RAM: the fast path installed the offload on it."""
-    return hasattr(model, "_nb_offload")
+    state = path_of(model)
+    return state is not None and state.offload is not None
 
 
 def kept_quant_state_bytes(state) -> int:
@@ -158,18 +164,19 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
 
     if not torch.cuda.is_available():
         return {}
-    fast = options_of(model)
+    state = path_of(model) or FastPath(options_of(model))
+    fast = state.options
     ran = fast.speed_levers()
-    ran.update(getattr(model, "_nb_levers", {}))
+    ran.update(state.ran)
     checkpointing = bool(cfg.gradient_checkpointing)
     ran.update(graphs=graphs_on(model) and checkpointing, pad_lengths=pad_multiple(model) is not None,
-               offload=bool(getattr(model, "_nb_offload", False)) and checkpointing,
+               offload=bool(state.offload) and checkpointing,
                reentrant=fast.reentrant and checkpointing)
     ran["dead_tail"] = tail_lever_on(model) and checkpointing
     ran["fewer_recomputes"] = no_recompute_layers(model) > 0 and checkpointing  # chosen or set by hand
     ran["down_once"] = ran["dead_tail"] and ran.get("dropout_kernels", False) and ran.get("down_once", False)
-    ran["frozen_norms"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("frozen_norms"))
-    ran["saved_attention"] = bool(ran.get("fused_block") and getattr(model, "_nb_levers", {}).get("saved_attention")
+    ran["frozen_norms"] = bool(ran.get("fused_block") and state.ran.get("frozen_norms"))
+    ran["saved_attention"] = bool(ran.get("fused_block") and state.ran.get("saved_attention")
                                   and ran["offload"] and not ran["graphs"] and ran["down_once"])
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
@@ -225,24 +232,50 @@ def use_expandable_segments(fast: FastOptions) -> bool | None:
     return expandable()
 
 
-# Reached as nb_helpers.fast.NAME, imported on first use: importing the fast path must not import torch (the planner
-# and the CLI's `plan` read FastOptions on machines where training never starts).
-LAZY = {
-    "checkpoint_kwargs": ("checkpoints", "checkpoint_kwargs"),  # torch checkpoint's kwargs for this run
-    "graphs_on": ("checkpoints", "graphs_on"),
-    "pad_multiple": ("checkpoints", "pad_multiple"),  # the collator's length step, or None
-    "set_checkpoint_offload": ("checkpoints", "set_checkpoint_offload"),
-    "padded_length": ("graphed_layers", "padded_length"),
-    "out_of_memory_raises": ("graphed_layers", "out_of_memory_raises"),  # a capture that runs out of memory raises
-    "reset_graphs": ("graphed_layers", "reset"),  # every graph and its memory pool dropped (auto-fit's trials)
-    "trainer_token_count": ("host_step", "trainer_token_count"),  # include_num_input_tokens_seen for this run
-}
+def trainer_arguments(model) -> dict:
+    """SFTConfig's arguments the fast path decides for this model: reentrant checkpoints, who counts the tokens
+    (fast.host_step says why the Trainer's own count waits on the GPU), and batch lengths padded to a multiple of 64
+    (CUDA-graphed layers replay one graph per shape; cuDNN's attention builds its plans once per shape). On the plain
+    stack they are transformers' and TRL's defaults."""
+    from nb_helpers.fast.checkpoints import checkpoint_kwargs, pad_multiple
+    from nb_helpers.fast.host_step import trainer_token_count
+
+    return {"gradient_checkpointing_kwargs": checkpoint_kwargs(model),
+            "include_num_input_tokens_seen": trainer_token_count(model), "pad_to_multiple_of": pad_multiple(model)}
 
 
-def __getattr__(name: str):
-    if name not in LAZY:
-        raise AttributeError(f"module 'nb_helpers.fast' has no attribute {name!r}")
-    import importlib
+# Auto-fit's trial step (nb_helpers.autofit) on a model attach_lora prepared: the length it fits for, the checkpoint
+# functions of a candidate, a capture that must fail rather than fall back, and every graph dropped afterwards.
+def fit_length(model, seq: int) -> int:
+    """The length a batch of `seq`-token rows trains at: padded to a multiple of 64 where batches are padded."""
+    from nb_helpers.fast.checkpoints import pad_multiple
+    from nb_helpers.fast.graphed_layers import padded_length
 
-    module, attr = LAZY[name]
-    return getattr(importlib.import_module(f"nb_helpers.fast.{module}"), attr)
+    return padded_length(seq) if pad_multiple(model) else seq
+
+
+def prepare_trial(model, checkpointing: bool, offload: bool = False, graphs: bool = False,
+                  no_recompute_layers: int = 0) -> None:
+    """A candidate's checkpoints on the model: on or off, in CPU RAM, as CUDA graphs, the last layers kept."""
+    from nb_helpers.fast.checkpoints import checkpoint_kwargs, set_checkpoint_offload
+
+    use_checkpoint_choice(model, graphs=graphs, no_recompute_layers=no_recompute_layers if checkpointing else 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(model))
+        set_checkpoint_offload(model, offload)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def trial_guard():
+    """A context in which a CUDA-graph capture that runs out of memory raises instead of running eagerly."""
+    from nb_helpers.fast.graphed_layers import out_of_memory_raises
+
+    return out_of_memory_raises()
+
+
+def end_trial() -> None:
+    """Every graph and its memory pool dropped: training captures its own."""
+    from nb_helpers.fast.graphed_layers import reset
+
+    reset()

@@ -16,7 +16,7 @@ from nb_helpers import compat
 from nb_helpers.fast import recompute, saved_attention
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint, graphed_kept
 from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
-from nb_helpers.fast.options import options_of
+from nb_helpers.fast.state import options_of, path_of
 from nb_helpers.frontend import say_once
 
 
@@ -29,11 +29,12 @@ def checkpoint_kwargs(model=None) -> dict:
 def graphs_on(model=None) -> bool:
     """Whether this model's checkpointed layers run as CUDA graphs: the lever, a GPU, reentrant checkpoints (the
     graphs are the reentrant checkpoint's two halves), and the run's choice (RunConfig.cuda_graphs, which
-    attach_lora and auto-fit record as `model._nb_use_graphs`)."""
+    attach_lora and auto-fit record on the model's FastPath)."""
     import torch
 
     fast = options_of(model)
-    return bool(fast.graphs and fast.reentrant and torch.cuda.is_available() and getattr(model, "_nb_use_graphs", True))
+    state = path_of(model)
+    return bool(fast.graphs and fast.reentrant and torch.cuda.is_available() and (state is None or state.use_graphs))
 
 
 def pad_multiple(model) -> int | None:
@@ -80,7 +81,8 @@ def set_checkpoint_offload(model, offload: bool) -> None:
 def no_recompute_layers(model) -> int:
     """How many of the last checkpointed layers keep their activations instead (RunConfig.no_recompute_layers, which
     after_lora and auto-fit record on the model)."""
-    return max(0, int(getattr(model, "_nb_no_recompute", 0) or 0))
+    state = path_of(model)
+    return max(0, int(state.no_recompute or 0)) if state is not None else 0
 
 
 def called_directly(function, *args, **kwargs):
@@ -116,7 +118,7 @@ def offloaded_graphed_checkpoint(function, *args, graphs, **kwargs):
 
 def install_offload(model, offload: bool) -> bool:
     """Whenever checkpointing is turned on (the Trainer does it in train(), after this), point the layers at this
-    run's checkpoint function: offloaded if `model._nb_offload` says so (auto-fit may change that flag after this),
+    run's checkpoint function: offloaded if the model's FastPath says so (auto-fit may change that after this),
     graphed where graphs_on. CUDA only. Returns whether the switch is installed."""
     import torch
 
@@ -127,14 +129,15 @@ def install_offload(model, offload: bool) -> bool:
             say_once("no-recompute-cpu", "[fast] no_recompute_layers applies on a CUDA GPU; here every checkpointed "
                                          "layer recomputes (the CPU profile turns checkpointing off instead)")
         return False
-    model._nb_offload = offload
+    state = path_of(model)
+    state.offload = offload
     enable = model.gradient_checkpointing_enable
 
     def enable_with_offload(gradient_checkpointing_kwargs=None, **kwargs):
         enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-        if model._nb_offload or graphs_on(model) or tail_lever_on(model) or no_recompute_layers(model):
-            set_checkpoint_offload(model, model._nb_offload)
-        if model._nb_offload:
+        if state.offload or graphs_on(model) or tail_lever_on(model) or no_recompute_layers(model):
+            set_checkpoint_offload(model, state.offload)
+        if state.offload:
             say_once("offload-on", "[fast] activation checkpoints offloaded to pinned CPU RAM (asynchronous copies)")
         if graphs_on(model):
             say_once("graphs-on", "[fast] checkpointed layers replayed as CUDA graphs (captured once per shape)")

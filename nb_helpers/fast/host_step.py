@@ -21,7 +21,7 @@ step by walking every module.
 
 from __future__ import annotations
 
-from nb_helpers.fast.options import options_of
+from nb_helpers.fast.state import options_of
 
 
 def integer_list_columns(dataset) -> list[str]:

@@ -97,11 +97,6 @@ def env_levers() -> dict[str, bool]:
     return values
 
 
-def options_of(model) -> FastOptions:
-    """The levers this model was prepared with (attach_lora records them), else the environment's."""
-    return getattr(model, "_nb_fast", None) or FastOptions.from_env()
-
-
 def gpu_options(fast_path: bool = True) -> FastOptions:
     """The levers a GPU run uses: the planner plans for a GPU even on a machine without one."""
     defaults = {f.name: fast_path for f in fields(FastOptions)}
@@ -118,7 +113,7 @@ def kernels_installed() -> bool:
 
 
 # What each lever changes, and what it gave alone where it was measured: one H200 under an emulated 4 GiB budget,
-# TinyLlama-1.1B shape with random weights, effective batch 8, 2026-11-30 to 2026-12-01 (bench/results/runs/ has each
+# TinyLlama-1.1B shape with random weights, effective batch 8, 2026-11-30 to 2026-12-03 (bench/results/runs/ has each
 # run, with the reference recipe in the same run).
 LEVERS = {
     "lean": ("the base frozen and left 16-bit (no fp32 embeddings, head and norms); also with fast_path=False",
@@ -156,10 +151,10 @@ LEVERS = {
                          "their activations: no recompute in their backward",
                          "GPU busy 13.6 against 13.8 us/token at 8 x 2048 (2 layers; 63,249 against 63,039 tokens/s), "
                          "13.7 against 14.1 at 8 x 512 (3 layers, graphed; 49,415 against 44,072), for 3.70-3.78 of "
-                         "4 GiB (call 54)"),
+                         "4 GiB (2026-12-03)"),
     "down_once": ("the recompute reuses its forward's LoRA products dropout(x) A^T: the input is not read and the "
                   "mask not drawn a third time", "GPU compute 12.41 against 12.55 us/token at 8 x 2048 and 12.97 against "
-                  "13.12 at 8 x 512, steps the same, for 0.02 GiB (call 55)"),
+                  "13.12 at 8 x 512, steps the same, for 0.02 GiB (2026-12-03)"),
     "array_rows": ("the training rows' token columns read as numpy arrays: TRL's collator copies each row once",
                    "70,040 against 67,218 tokens/s at 8 x 2048; at 8 x 512 within the host's drift; collating 8 x 2048 "
                    "tokens 4.2 against 0.3 ms of host time on a 2-core EPYC"),
@@ -171,10 +166,10 @@ LEVERS = {
     "frozen_norms": ("the norms' backward for frozen weights: liger's own kernel over the rows, no weight gradient, "
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
-                     "12.76 against 13.05 at 8 x 512 (steps the same) (call 63)"),
+                     "12.76 against 13.05 at 8 x 512 (steps the same; 2026-12-03)"),
     "saved_attention": ("where checkpoints go to CPU RAM, each layer's attention output goes with them and the "
                         "recompute reuses it instead of attending again", "GPU compute 11.99 against 12.31 us/token "
                         "at 8 x 2048 (cuDNN's forward 8.0 against 15.7 ms a step), 74,297 against 73,332 tokens/s; "
                         "auto-fit then keeps no layer unrecomputed (two without) but the dequantized weights, 3.12 "
-                        "against 3.82 GiB (call 73)"),
+                        "against 3.82 GiB (2026-12-03)"),
 }
