@@ -263,6 +263,26 @@ def lever_gains(runs: list[dict]) -> dict:
                     "workload", "levers": dict(sorted(levers.items()))}
 
 
+def lever_memory(run: dict | None) -> dict | None:
+    """Per lever, where taking it out changes what auto-fit picks under the GTX 1650 preset (bench/lever_memory.py)."""
+    if run is None:
+        return None
+    changes: dict[str, list[str]] = {}
+    for p in run["results"]["points"]:
+        if p["choice_changed"]:
+            ours, without = p["ours"], p["without"]
+            say = (f"{p['model']} at {p['seq']} tokens: {ours.get('micro_batch')} × {ours.get('accum')}"
+                   f"{'' if ours.get('gc') else ' without checkpointing'} → {without.get('micro_batch')} × "
+                   f"{without.get('accum')}{'' if without.get('gc') else ' without checkpointing'}"
+                   if p["choice_changed"].keys() & {"micro_batch", "gc"} else
+                   f"{p['model']} at {p['seq']} tokens: " + ", ".join(
+                       f"{k} {a} → {b}" for k, (a, b) in p["choice_changed"].items()))
+            changes.setdefault(p["lever"], []).append(say)
+    levers = sorted({p["lever"] for p in run["results"]["points"]})
+    return {"card": run["results"]["card"], "levers": {lever: changes.get(lever, []) for lever in levers},
+            **source(run)}
+
+
 def latest(runs_dir: Path = RUNS) -> dict:
     by_kind: dict[str, list[dict]] = {}
     for run in load_runs(runs_dir=runs_dir):
@@ -283,6 +303,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "reach": reach(newest(by_kind.get("reach", []))),
         "reproducibility": reproducibility(by_kind.get("reproducibility", [])),
         "lever_gains": lever_gains(by_kind.get("lever-gains", [])),
+        "lever_memory": lever_memory(newest(by_kind.get("lever-memory", []))),
     }
 
 
@@ -496,6 +517,17 @@ def markdown(data: dict) -> str:
                            f"{refs(w)} |")
         notes = [f"`{lever}`: {entry['note']}." for lever, entry in lg["levers"].items() if entry.get("note")]
         out += refs.lines() + (["", *notes] if notes else [])
+    lm = data.get("lever_memory")
+    if lm:
+        refs = Refs()
+        out += ["", "## Which levers change what auto-fit picks on a GTX 1650", "",
+                "Each lever taken out alone, auto-fit planned under the GTX 1650 preset (3.81 GiB, desktop reserve, "
+                "context) for an effective batch of 8, from config.json alone (what auto-fit ranks by). A change means "
+                f"the lever's memory decides the card's batch or checkpointing. {lm['machine']}, {lm['date']} {refs(lm)}.",
+                "", "| lever | where taking it out changes auto-fit's choice |", "|---|---|"]
+        for lever, where in lm["levers"].items():
+            out.append(f"| `{lever}` | {'; '.join(where) if where else 'nowhere'} |")
+        out += refs.lines()
     return "\n".join(out) + "\n"
 
 
