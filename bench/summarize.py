@@ -15,12 +15,14 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run_file import RESULTS, RUNS, load_runs  # noqa: E402
+from run_file import RESULTS, RUNS, load_runs, order  # noqa: E402
 
 LATEST = RESULTS / "latest.json"
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
@@ -252,7 +254,11 @@ def lever_gains(runs: list[dict]) -> dict:
                     "peak_gib": round(statistics.median(o["peak_device_gib"] for o in ours), 2),
                     "peak_gib_without": r.get("peak_device_gib") and round(r["peak_device_gib"], 2),
                     **source(run)}
+    from nb_helpers.fast.options import FastOptions
+
+    present = {f.name for f in fields(FastOptions)}
     for lever, entry in levers.items():
+        entry["in_the_package"] = lever in present
         entry["earns_its_place"] = any(
             (w["step_gain"] >= max(KEEP_SHARE, w["step_noise"])) or (w["compute_gain"] or 0) >= KEEP_SHARE
             for w in entry["workloads"].values())
@@ -302,7 +308,8 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "multi_gpu": multi_gpu(list(seqs.values())),
         "reach": reach(newest(by_kind.get("reach", []))),
         "reproducibility": reproducibility(by_kind.get("reproducibility", [])),
-        "lever_gains": lever_gains(by_kind.get("lever-gains", [])),
+        "lever_gains": lever_gains(sorted([r for r in by_kind.get("lever-gains", []) + tp if "--gains" in
+                                           str(r.get("command"))], key=lambda r: order(r, r["file"]))),
         "lever_memory": lever_memory(newest(by_kind.get("lever-memory", []))),
     }
 
@@ -505,7 +512,7 @@ def markdown(data: dict) -> str:
                 f"budget: the median step, and the GPU's compute per token of one profiled step (what a GPU-bound "
                 f"card such as a GTX 1650 pays). A lever is {lg['rule']}; the others were removed (git keeps them).",
                 "", "| lever | workload | step s: ours, without | GPU µs/token: ours, without | peak GiB: ours, without "
-                "| kept | measured |", "|---|---|---|---|---|---|---|"]
+                "| earns its place | measured |", "|---|---|---|---|---|---|---|"]
         for lever, entry in lg["levers"].items():
             for workload, w in entry["workloads"].items():
                 gain = f"{w['step_gain']:+.1%}; ours varied {w['step_noise']:.1%}"
@@ -513,7 +520,8 @@ def markdown(data: dict) -> str:
                            f"({w['compute_gain']:+.1%})" if w["compute_gain"] is not None else "–")
                 out.append(f"| `{lever}` | {WORKLOADS[workload]} | {n(w['step_s'], 4)}, {n(w['step_s_without'], 4)} "
                            f"({gain}) | {compute} | {n(w['peak_gib'], 2)}, {n(w['peak_gib_without'], 2)} | "
-                           f"{'yes' if entry['earns_its_place'] else 'no: removed'} | {w['machine']}, {w['date']} "
+                           f"{'yes' if entry['earns_its_place'] else 'no'}"
+                           f"{'' if entry['in_the_package'] else ', removed'} | {w['machine']}, {w['date']} "
                            f"{refs(w)} |")
         notes = [f"`{lever}`: {entry['note']}." for lever, entry in lg["levers"].items() if entry.get("note")]
         out += refs.lines() + (["", *notes] if notes else [])

@@ -604,6 +604,8 @@ def main() -> None:
     parser.add_argument("--turing", action="store_true", help="also the GTX 1650 card, auto-fit, bf16 and fp16")
     parser.add_argument("--gains", default=None, help="comma list of levers: only our default and each of these "
                         "levers taken out alone, at each workload (the pruning measurement)")
+    parser.add_argument("--with-reference", action="store_true", help="with --gains: the reference recipe too, "
+                        "first at each workload (the headline and the levers' gains in one run)")
     parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
     parser.add_argument("--steps", type=int, default=WARMUP + 10)
     parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
@@ -635,7 +637,8 @@ def main() -> None:
 
         build("tinyllama-1.1b", str(model_dir), ROOT / "data", max_positions=4096)  # the grid's long points too
     work = Path(tempfile.mkdtemp(prefix="throughput-"))
-    kind = "lever-gains" if args.gains else "throughput"  # a gains run measures levers, not the headline
+    # a gains run measures levers; with the reference beside them it is also the headline's run
+    kind = "lever-gains" if args.gains and not args.with_reference else "throughput"
     run_file = RunFile(kind, out_dir=args.out_dir, out=args.out)  # command, versions, GPU, driver, commit
     out = {"budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
            "warmup_steps": WARMUP, "workloads": {}}
@@ -643,6 +646,8 @@ def main() -> None:
     workloads = args.workloads.split(",")
     plan = ([] if args.gains else [spec for workload in workloads for spec in main_runs(workload, args.steps)])
     if args.gains:
+        if args.with_reference:  # the reference first, as main_runs has it: our default's runs then come beside it
+            plan += [spec for w in workloads for spec in main_runs(w, args.steps) if spec["name"] == "reference"]
         plan += gain_runs(args.gains.split(","), workloads, args.steps)
     if args.turing:
         plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
