@@ -218,7 +218,7 @@ def _add_export(sub) -> None:
 
 
 def _add_course(sub) -> None:
-    p = sub.add_parser("course", help="execute notebooks 00-05 in order and keep them in the run folder (make run)")
+    p = sub.add_parser("course", help="execute notebooks 00-06 in order and keep them in the run folder (make run)")
     p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")
     p.set_defaults(func=cmd_course)
 

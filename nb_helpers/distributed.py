@@ -40,7 +40,7 @@ def is_main() -> bool:
 
 
 # NCCL sizes its buffers for bandwidth: on two NVLink-connected H200s a 2-GPU job held 0.82 GiB more of each GPU
-# than one process alone, outside PyTorch's allocator, a fifth of a 4 GB card (bench/results/raw/call2-*.json).
+# than one process alone, outside PyTorch's allocator, a fifth of a 4 GB card (2 x H200, 2026-11-30).
 # QLoRA all-reduces only the LoRA gradients (9 MB a step for TinyLlama at r=8). With two channels the extra fell to
 # 0.39 GiB and the step got faster, not slower (bench/RESULTS.md). A user's own setting wins.
 NCCL_LEAN = {"NCCL_MAX_NCHANNELS": "2"}

@@ -17,7 +17,7 @@ ROOT = "__init__"  # nb_helpers/__init__.py, which runs before any module of the
 MAX_FUNCTION_LINES = 60
 
 # The house, bottom to top. A module may import its own layer and those below it, never one above. "x.*" places every
-# module under package x. README.md's Layout section names the same layers.
+# module under package x. docs/layout.md names the same layers.
 LAYERS = {
     # 0 base: what everything may use
     "frontend": 0, "hub": 0, "compat": 0, "compat.*": 0,
@@ -175,7 +175,7 @@ def test_every_module_has_a_layer():
     assert {ROOT, "__main__", "training", "fast", "fast.options", "plan.planner", "ui.widgets"} <= set(graph)
     unplaced = sorted(name for name in graph if layer_of(name, LAYERS) is None)
     assert not unplaced, (f"modules with no layer: {unplaced}; place each in LAYERS (tests/test_package_structure.py) "
-                          "at the layer of what it is, and in README.md's Layout")
+                          "at the layer of what it is, and in docs/layout.md")
 
 
 def test_imports_only_point_down():

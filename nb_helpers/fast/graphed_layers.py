@@ -64,7 +64,8 @@ _STREAMS: dict = {}  # device index -> the capture stream, kept for the whole pr
 def _capture_stream(device):
     """The side stream captures run on. One per device for the process: torch hands out its pooled streams in turn,
     and cuBLAS keeps a workspace (32 MiB on Hopper) for every stream it has run on, so a new stream after each
-    reset() (auto-fit's trials, a second run in a notebook) added a workspace each time (the GPU suite, device call 14)."""
+    reset() (auto-fit's trials, a second run in a notebook) added a workspace each time (the GPU suite on an H200,
+    2026-12-01)."""
     if device.index not in _STREAMS:
         _STREAMS[device.index] = torch.cuda.Stream(device)
     return _STREAMS[device.index]

@@ -75,7 +75,7 @@ def _row_tile(tokens: int) -> int:
 
 
 def _col_tile(features: int) -> int:
-    return 128 if features % 128 == 0 else 64  # 128: 79 against 94 us for the forward (call 39's sweep)
+    return 128 if features % 128 == 0 else 64  # 128: 79 against 94 us for the forward (H200 sweep, 2026-12-02)
 
 
 def tiles(kernel: str, tokens: int, features: int) -> dict:
@@ -85,7 +85,7 @@ def tiles(kernel: str, tokens: int, features: int) -> dict:
     "backward", the outputs' for "out". From bench/lora_kernel_sweep.py on an H200 (2026-12-03): the
     backward with four programs an SM took 70.8 against 79.9 us at 16,384 tokens and 21.3 against 22.7 at 4,096; the
     forward writing 256 outputs a step 49.5 against 52.1 (q and o); each other kernel was within 5% of its best.
-    NB_LORA_TILES=before gives the settings of calls 42-66, for a benchmark's run beside these."""
+    NB_LORA_TILES=before gives the settings these replaced, for a benchmark's run beside these."""
     if os.environ.get("NB_LORA_TILES") == "before":
         rows, cols = _row_tile(tokens), _col_tile(features)
         return {"forward": dict(BT=rows, BK=cols, BN=128, num_warps=4, num_stages=3, split=False),

@@ -14,7 +14,7 @@ Weights (static)
   * NF4 linear weights (bitsandbytes Params4bit): 0.5 byte per weight, packed two per byte.
   * Quantization constants, one absmax per 64-weight block: fp32 (4/64 byte per weight); with double quant the
     absmax is itself 8-bit (1/64) plus one fp32 per 256 absmax (4/16384).
-  * Embeddings, untied LM head, norms: 16-bit on the lean GPU path (nb_helpers.fast, the default since issue 8).
+  * Embeddings, untied LM head, norms: 16-bit on the lean GPU path (nb_helpers.fast, the default).
     The older path's prepare_model_for_kbit_training cast every non-4-bit parameter to fp32 (4 bytes each), which
     also made the residual stream fp32: `lean=False` models it (the 4-byte terms of the activations); on the lean
     path each "fp32" activation of the residual stream (norm inputs, checkpoints, final hidden states and their

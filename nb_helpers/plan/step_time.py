@@ -65,10 +65,10 @@ HOST_GC_STOCK_LAYER_S = 2.59e-3  # more, with checkpointing, where the stock (un
 HOST_EXTRA_NORM_LAYER_S = 2.79e-3  # per norm beyond two in a layer (Gemma's four)
 GRAPHED_MICRO_S = 1.41e-2  # a CUDA-graphed micro-step's host time the GPU waits for (loss, head, embeddings)
 STEP_S = 1.90e-2  # per optimizer step: the optimizer, clipping, logging; not added where lever one_token_count
-#                   lets the host queue them before the backward ends (device calls 60 and 62: 8 x 2048 and 8 x 512
+#                   lets the host queue them before the backward ends (H200, 2026-12-03: 8 x 2048 and 8 x 512
 #                   within 9%)
 # lever frozen_norms: the fused-norm elements each norm's backward no longer costs, per hidden element of a token and
-# layer (device call 63: the norms' backward and the input's gradient sums took 5.4 ms less of an 8 x 2048 step)
+# layer (H200, 2026-12-03: the norms' backward and the input's gradient sums took 5.4 ms less of an 8 x 2048 step)
 FROZEN_NORMS_SAVED = 0.34
 OFFLOAD_EXPOSED = 0.37  # share of the checkpoint copies (to CPU RAM and back) the compute does not hide
 BACKWARD_OVER_FORWARD = 2.5  # a flash-attention backward costs about 2.5 forwards (its five products against two)
@@ -157,7 +157,7 @@ def host_seconds_per_micro_step(shape: Shape, inp) -> float:
 def offload_seconds(shape: Shape, inp, gpu: dict, busy_s: float) -> float:
     """GPU time the checkpoint copies add per micro-step: a share of them, or all the compute cannot hide. The kept
     attention's copies (lever saved_attention) ride behind the layer inputs' on the same side stream: they count only
-    where the compute cannot hide them (device call 73: 0.220-0.223 s a step with them, 0.222 without)."""
+    where the compute cannot hide them (H200, 2026-12-03: 0.220-0.223 s a step with them, 0.222 without)."""
     if not (inp.offload and recomputed_layers(shape, inp)):
         return 0.0
     pcie, layers = gpu["pcie_gbs"] * 1e9, recomputed_layers(shape, inp)
