@@ -298,7 +298,7 @@ def test_interrupt_leaves_a_checkpoint_and_resume_needs_one(tiny_cfg, tmp_path, 
 
 
 @pytest.mark.slow
-def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
+def test_resumed_run_matches_an_uninterrupted_one(tmp_path, embedded_dir):
     """The embedded model, 4 steps straight against 2 + interrupt + resume: same losses step for step."""
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
