@@ -65,7 +65,7 @@ def write_config(args, model_dir: Path, data: Path, work: Path, world: int) -> P
                     gradient_checkpointing=not args.no_gc, max_steps=args.steps, save_steps=10_000,
                     lora_dropout=args.dropout, cuda_graphs=not args.eager,
                     budget_gib=args.budget or None, compute_dtype="bfloat16" if not args.allow_cpu else "auto",
-                    runs_dir=str(work / f"runs-{world}"), run_name="run", logging_steps=1)
+                    runs_dir=str(work / f"runs-{world}"), run_name="run", logging_steps=1, fast_path=True)
     path = work / f"config-{world}.json"  # the same knobs for every world size; only the runs folder differs
     cfg.save(path)
     return path

@@ -43,7 +43,7 @@ def config_of(row: dict) -> RunConfig:
                      target_modules=["all-linear"] if row["targets"] == "all-linear" else QKVO,
                      cuda_graphs=bool(row["path"].get("graphs")), offload_checkpoints=bool(row["path"].get("offload")),
                      budget_gib=row["budget_gib"], compute_dtype="bfloat16",
-                     no_recompute_layers=row["path"].get("no_recompute_layers", 0))
+                     no_recompute_layers=row["path"].get("no_recompute_layers", 0), fast_path=True)
 
 
 def planned_from_cpu(row: dict, gpu_extras: bool | None = None) -> float:

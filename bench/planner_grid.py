@@ -194,7 +194,8 @@ def run_point(point, model_dir: Path, work: Path, steps: int = STEPS, overrides:
                   max_length=seq, micro_batch_size=batch, grad_accum=accum, lora_r=rank, lora_alpha=2 * rank,
                   target_modules=targets.split(",") if targets != "all-linear" else ["all-linear"],
                   gradient_checkpointing=gc, max_steps=steps, save_steps=1000, budget_gib=budget,
-                  runs_dir=str(work / "runs"), run_name=pid, compute_dtype="bfloat16", **(overrides or {}))
+                  runs_dir=str(work / "runs"), run_name=pid, compute_dtype="bfloat16",
+                  **{"fast_path": True, **(overrides or {})})  # the validated points are the fast path's
     (work / f"{pid}.json").write_text(json.dumps(config))
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "nb_helpers", "train", "--config", str(work / f"{pid}.json")],

@@ -55,7 +55,7 @@ def config_for(point, model_dir: Path, data: Path, work: Path, steps: int) -> di
                 micro_batch_size=batch, grad_accum=accum, lora_r=rank, lora_alpha=2 * rank,
                 target_modules=targets.split(",") if targets != "all-linear" else ["all-linear"],
                 gradient_checkpointing=gc, max_steps=steps, save_steps=10_000, budget_gib=budget,
-                runs_dir=str(work / "runs"), run_name=pid, compute_dtype="bfloat16", **extra)
+                runs_dir=str(work / "runs"), run_name=pid, compute_dtype="bfloat16", **{"fast_path": True, **extra})
 
 
 def worker(config_path: str, out_path: str) -> None:

@@ -112,9 +112,10 @@ class RunConfig:
     card: str | None = None  # and compute capability; a bigger GPU emulates it
     desktop_on_card: bool = True  # the screen runs on the card: keep ~0.35 GiB for it; False on a headless machine
     auto_fit: bool = False  # GPU: pick micro-batch x accumulation and GC that fit budget_gib, same effective batch
-    # GPU: the fenced fast path (nb_helpers.fast: fused kernels, no mask, CUDA graphs, ...); False trains the plain
-    # transformers + peft + TRL stack of the reference recipe, same math, slower. No effect on a CPU
-    fast_path: bool = True
+    # GPU: False (the default) trains the plain transformers + peft + TRL stack that notebooks 01-03 write out; True
+    # adds the fast path that notebook 06 teaches (nb_helpers.fast: fused kernels, no mask, CUDA graphs, ...): the same
+    # math in less memory and time. No effect on a CPU
+    fast_path: bool = False
     vram_warn_gib: float | None = None  # notebook 04 flags steps above this; None = the card's budget (GTX 1650: 3.46)
 
     # ------------------------------------------------------------------------------------------

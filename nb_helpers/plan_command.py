@@ -33,6 +33,8 @@ def plan_config(args) -> RunConfig:
         changes["gradient_checkpointing"] = False
     if args.no_double_quant:
         changes["double_quant"] = False
+    if args.fast_path:
+        changes["fast_path"] = True
     cfg = apply_sets(RunConfig.from_dict({**cfg.to_dict(), **changes}), args.set)
     # no budget and no card: the course's card (a GTX 1650), whatever GPU this machine has
     return cfg if cfg.budget_gib is not None or cfg.card else cfg.replace(card=COURSE_CARD)
@@ -123,8 +125,10 @@ def add_plan(sub) -> None:
                    "budget_gib, else its card's)")
     p.add_argument("--card", help=f"the card to plan for: {', '.join(card_names())} (default: the config's, "
                    f"else {COURSE_CARD})")
-    p.add_argument("--no-gpu-extras", action="store_true", help="plan a GPU without liger-kernel (default: with it, "
-                   "as make installs it beside an NVIDIA driver; this machine's own GPU: as installed here)")
+    p.add_argument("--fast-path", action="store_true", help="plan the fast path that notebook 06 switches on "
+                   "(default: the config's, else the plain transformers + peft + TRL stack)")
+    p.add_argument("--no-gpu-extras", action="store_true", help="with --fast-path: plan a GPU without liger-kernel "
+                   "(default: with it, as make installs it beside an NVIDIA driver; this GPU: as installed here)")
     p.add_argument("--targets", help="comma list, or all-linear (default: the config's, q,k,v,o; Phi's fused layers "
                    "are found from these names)")
     p.add_argument("--no-gc", action="store_true", help="without gradient checkpointing")

@@ -70,12 +70,14 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 
 
 def tiny_run_config(model_dir, runs_dir):
-    """Three quick steps on the tiny model, with every stage of train() (evals, task scoring, checkpoints)."""
+    """Three quick steps on the tiny model, with every stage of train() (evals, task scoring, checkpoints). With the
+    fast path asked for, so that on a GPU the suite trains through it (on a CPU it changes nothing); the plain
+    default has its own tests (tests/test_fastpath.py)."""
     from nb_helpers.config import RunConfig
 
     return RunConfig(model=str(model_dir), micro_batch_size=4, grad_accum=1, max_steps=3, max_length=192,
                      max_train_samples=16, max_eval_samples=4, task_eval_samples=2, max_new_tokens=8,
-                     save_steps=2, runs_dir=str(runs_dir), learning_rate=1e-3)
+                     save_steps=2, runs_dir=str(runs_dir), learning_rate=1e-3, fast_path=True)
 
 
 @pytest.fixture(scope="session")

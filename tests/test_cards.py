@@ -81,8 +81,8 @@ def test_plan_command_plans_the_named_card_and_the_course_card_by_default(cli):
     assert "compute capability 7.5" in result.stdout and "budget 3.46 GiB: fits" in result.stdout
     t4 = cli("plan", "--model", shape, "--card", "t4", "--seq", "2048", "--json")
     assert t4.returncode == 0 and '"budget_gib": 14.75' in t4.stdout
-    extras = cli("plan", "--model", shape, "--seq", "2048", "--no-gc", "--json")
-    plain = cli("plan", "--model", shape, "--seq", "2048", "--no-gc", "--no-gpu-extras", "--json")
+    extras = cli("plan", "--model", shape, "--seq", "2048", "--no-gc", "--fast-path", "--json")
+    plain = cli("plan", "--model", shape, "--seq", "2048", "--no-gc", "--fast-path", "--no-gpu-extras", "--json")
     assert '"fused_kernels": true' in extras.stdout and '"fused_kernels": false' in plain.stdout
     wrong = cli("plan", "--model", shape, "--card", "gtx1660")
     assert wrong.returncode == 2 and "card='gtx1660': not a card preset" in wrong.stderr and "Traceback" not in wrong.stderr

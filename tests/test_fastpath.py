@@ -415,9 +415,10 @@ def test_fast_path_false_turns_every_lever_off_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv(fastpath.ENV_VAR, "graphs=1")  # NB_FASTPATH is for benchmarks of the fast path only
-    plain = FastOptions.for_run(RunConfig(fast_path=False))
+    assert RunConfig().fast_path is False  # the course's default: the plain stack notebooks 01-03 write out
+    plain = FastOptions.for_run(RunConfig())
     assert not any(plain.speed_levers().values()) and plain.lean  # the recipe as written: freeze, no upcast
-    assert all(FastOptions.for_run(RunConfig()).speed_levers()[k] for k in ("kernels", "nomask", "graphs"))
+    assert all(FastOptions.for_run(RunConfig(fast_path=True)).speed_levers()[k] for k in ("kernels", "nomask", "graphs"))
     assert not any(v for k, v in fastpath.gpu_options(False).speed_levers().items())  # what the planner plans
 
 
@@ -430,8 +431,8 @@ def test_a_failed_compat_check_turns_its_lever_off_with_one_line(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(frontend, "_SAID", set())
     monkeypatch.setattr(compat, "failed", lambda levers: {"graphs": "torch.cuda.CUDAGraph.capture_begin: gone"})
-    fast = fastpath.options_for(RunConfig())
-    fastpath.options_for(RunConfig())
+    fast = fastpath.options_for(RunConfig(fast_path=True))
+    fastpath.options_for(RunConfig(fast_path=True))
     assert not fast.graphs and fast.kernels
     out = capsys.readouterr().out
     assert out.count("[fast] graphs off: torch.cuda.CUDAGraph.capture_begin changed in torch") == 1, out

@@ -441,7 +441,7 @@ def test_hand_set_runs_drop_graphs_the_budget_cannot_hold(capsys, monkeypatch):
     from nb_helpers.autofit import keep_graphs_within_budget
 
     shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
-    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, cuda_graphs=True)
+    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, cuda_graphs=True, fast_path=True)
     graphed = plan_for_config(cfg, shape, context_gib=0.6)
     eager = plan_for_config(cfg.replace(cuda_graphs=False), shape, context_gib=0.6)
     assert graphed.peak_gib > eager.peak_gib
@@ -467,7 +467,7 @@ def test_hand_set_runs_stay_lean_unless_graphs_are_asked_for(capsys):
     from nb_helpers.autofit import keep_graphs_within_budget
 
     shape = load_shape(str(PROJECT_ROOT / "nb_helpers" / "plan" / "shapes" / "tinyllama-1.1b.json"))
-    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, budget_gib=4.0)
+    cfg = RunConfig(max_length=512, micro_batch_size=1, grad_accum=8, budget_gib=4.0, fast_path=True)
     lean = plan_for_config(cfg, shape, context_gib=0.6)
     graphed = plan_for_config(cfg.replace(cuda_graphs=True), shape, context_gib=0.6)
     assert lean.components["graphs"] == 0 and graphed.components["graphs"] > 0
@@ -495,7 +495,8 @@ def test_a_gpu_planned_from_a_machine_without_it_runs_the_gpu_extras(monkeypatch
 
     monkeypatch.setattr(plan_terms, "kernels_installed", lambda: False)
     monkeypatch.setattr(dtypes, "cuda_capability", lambda: None)
-    shape, cfg = known_shape("tinyllama-1.1b"), RunConfig(max_length=2048, gradient_checkpointing=False)
+    shape, cfg = known_shape("tinyllama-1.1b"), RunConfig(max_length=2048, gradient_checkpointing=False,
+                                                          fast_path=True)
     assumed = plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(9, 0))
     without = plan_for_config(cfg, shape, context_gib=0.6, gpu_capability=(9, 0), gpu_extras=False)
     assert assumed.inputs.fused_kernels and not without.inputs.fused_kernels

@@ -11,7 +11,7 @@ from nb_helpers.plan.reach import ROW_STEP, fit_markdown, fit_table, longest_row
 
 # the GPU recipe (1 x 8, gradient checkpointing, 512 tokens, r=8 on q,k,v,o) with CUDA graphs asked for: the rows
 # then show where graphs fit and where a run drops them (left unset, a hand-set run plans eager layers throughout)
-RECIPE = RunConfig(cuda_graphs=True)
+RECIPE = RunConfig(cuda_graphs=True, fast_path=True)  # graphs are the fast path's: their drop is tested here
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_lora_targets_are_translated_per_family(table):
     row = next(r for r in table if r.name == "phi-4-mini")
     assert row.peak_gib == pytest.approx(graphs_dropped_unless_they_fit(phi, 4.0).peak_gib)
     assert row.peak_gib < phi.peak_gib  # Phi-4-mini's graphs do not fit 4 GiB: the run (and the row) goes eager
-    lean = next(r for r in fit_table(RunConfig(), 4.0, context_gib=0.3) if r.name == "phi-4-mini")
+    lean = next(r for r in fit_table(RunConfig(fast_path=True), 4.0, context_gib=0.3) if r.name == "phi-4-mini")
     assert lean.peak_gib == pytest.approx(row.peak_gib)  # cuda_graphs unset: eager layers, as planned above
 
 
