@@ -484,6 +484,38 @@ def test_fast_path_off_trains_the_plain_recipe(tiny_cfg, tmp_path):
     assert not any(json.loads((run / "summary.json").read_text())["fast_levers"].values())
 
 
+@pytest.mark.gpu
+def test_the_course_default_trains_no_lever_and_fast_path_true_turns_them_on(tiny_cfg):
+    """The course's default (notebooks 00-05, make run, the CLI: RunConfig().fast_path) trains on a GPU with no lever
+    of the fast path; fast_path=True, which notebook 06 sets, trains with them (what summary.json records)."""
+    from nb_helpers.config import RunConfig, default_config
+    from nb_helpers.training import train
+
+    assert RunConfig().fast_path is False and default_config().fast_path is False
+    levers = {}
+    for name, on in (("default", RunConfig().fast_path), ("fast", True)):
+        run = train(tiny_cfg.replace(fast_path=on, run_name=name), verbose=False)
+        levers[name] = json.loads((run / "summary.json").read_text())["fast_levers"]
+    assert levers["default"] and not any(levers["default"].values()), levers["default"]
+    assert all(levers["fast"][k] for k in ("fused_lora", "direct_dequant", "nomask", "reentrant")), levers["fast"]
+
+
+def test_only_notebook_06_switches_the_fast_path_on():
+    """What notebooks 00-05 show is what trains: none of them sets fast_path=True (or a lever); 06's live runs do."""
+    import re
+
+    from nb_helpers.config import PROJECT_ROOT
+
+    def code(name):
+        nb = json.loads(next((PROJECT_ROOT / "notebooks").glob(f"{name}_*.ipynb")).read_text(encoding="utf-8"))
+        return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+
+    switched = re.compile(r"fast_path\s*=\s*True|NB_FASTPATH|\.fast_path\s*=(?!=)")
+    for name in ("00", "01", "02", "03", "04", "05"):
+        assert not switched.search(code(name)), f"notebook {name} switches the fast path"
+    assert "fast_path=True" in code("06")
+
+
 def test_ropes_patch_is_for_gpu_tensors_only():
     """liger's RoPE patch is process-wide and its kernel takes CUDA tensors only: after a GPU run in one process, a
     model on the CPU (the export's merged model, seen when the suite ran on a GPU machine) takes transformers' own."""
