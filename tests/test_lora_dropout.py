@@ -1,10 +1,14 @@
 """LoRA's dropout inside the rank-r products (nb_helpers.fast.lora_dropout): each Triton kernel against the same math
 in torch with the mask the kernels draw, the mask's keep rate and tiling, the seed, and the fused layer's outputs and
-gradients. On CUDA (marked gpu); on a CPU with Triton installed, TRITON_INTERPRET=1 runs the same kernels in Triton's
-interpreter (fp16 only: its bf16 is wrong). Without CUDA the fused layer falls back to torch's dropout (tested here
-on every machine)."""
+gradients. Each kernel test runs on CUDA (marked gpu), and where there is none but Triton is (CI's CPU:
+requirements-test.txt installs it) on CPU tensors in Triton's interpreter, in a child pytest with TRITON_INTERPRET=1
+(fp16 only: the interpreter's bf16 is wrong). Without CUDA or the interpreter the fused layer falls back to torch's
+dropout (tested here on every machine)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +16,21 @@ import torch
 from nb_helpers.fast import fused_lora, lora_dropout
 
 
-def _device():
-    if torch.cuda.is_available():
-        return "cuda"
-    if os.environ.get("TRITON_INTERPRET") == "1" and lora_dropout.kernels() is not None:
-        return "cpu"
-    pytest.skip("needs a CUDA GPU (or Triton's interpreter: TRITON_INTERPRET=1 with Triton installed)")
+# Read as Triton is imported (triton.jit reads it as it decorates, Triton's own tl.randint4x too), so it is set only in
+# the child run of test_the_kernel_tests_pass_on_the_cpu_in_tritons_interpreter: this process keeps compiled kernels
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu)] + (["interpreter"] if INTERPRETER else []))
+def device(request):
+    """"cuda": the compiled kernels on the GPU. "interpreter": the same kernels on CPU tensors in Triton's
+    interpreter (the child run only)."""
+    if request.param == "cuda" and not torch.cuda.is_available():  # conftest skips gpu-marked tests before this
+        pytest.skip("needs a CUDA GPU")
+    if request.param == "interpreter" and lora_dropout.kernels() is None:
+        pytest.skip("Triton is not importable: its interpreter runs these kernels on the CPU")
+    return "cuda" if request.param == "cuda" else "cpu"
 
 
 def _inputs(device, dtype, tokens, features, rank, outputs=96, seed=0):
@@ -29,11 +42,10 @@ def _inputs(device, dtype, tokens, features, rank, outputs=96, seed=0):
             rand(tokens, rank))
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,features,rank,outputs", [(200, 128, 8, 96), (1030, 256, 16, 300), (64, 2048, 64, 256)])
-def test_each_kernel_is_the_dropout_math_with_its_own_mask(dtype, tokens, features, rank, outputs):
-    device, p, s = _device(), 0.1, 2.0
+def test_each_kernel_is_the_dropout_math_with_its_own_mask(device, dtype, tokens, features, rank, outputs):
+    p, s = 0.1, 2.0
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bf16 wrongly")
     x, a, b, gd = _inputs(device, dtype, tokens, features, rank, outputs)
@@ -52,12 +64,11 @@ def test_each_kernel_is_the_dropout_math_with_its_own_mask(dtype, tokens, featur
                                rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_launch_settings_change_the_time_not_the_bits(dtype):
+def test_launch_settings_change_the_time_not_the_bits(device, dtype):
     """The forward split in two kernels (down, then out_kernel) writes the fused kernel's bits; the backward's row
     tiles and splits give the same input gradient, and grad_A up to the order of its fp32 sums."""
-    device, p, s = _device(), 0.05, 2.0
+    p, s = 0.05, 2.0
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bf16 wrongly")
     x, a, b, gd = _inputs(device, dtype, 1030, 256, 8, 300)
@@ -76,9 +87,8 @@ def test_launch_settings_change_the_time_not_the_bits(dtype):
         torch.testing.assert_close(lora_dropout.grads(gd, x, a, seed + 1, p)[1], grad_x)
 
 
-@pytest.mark.gpu
-def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles():
-    device, p = _device(), 0.05
+def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles(device):
+    p = 0.05
     seed = torch.tensor([77], dtype=torch.int32, device=device)
     keep = lora_dropout.drawn_mask(seed, 512, 2048, p, device)
     assert torch.equal(keep, lora_dropout.drawn_mask(seed, 512, 2048, p, device, rows=16, cols=128))
@@ -90,9 +100,7 @@ def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles():
     assert not torch.equal(keep[:, :1024], keep[:, 1024:]) and not torch.equal(keep[::2], keep[1::2])
 
 
-@pytest.mark.gpu
-def test_the_seed_comes_from_torchs_generator_and_decides_the_mask():
-    device = _device()
+def test_the_seed_comes_from_torchs_generator_and_decides_the_mask(device):
     torch.manual_seed(3)
     first = lora_dropout.draw_seed(device)
     torch.manual_seed(3)
@@ -112,12 +120,11 @@ def _fused_layer(x, a, b, w, p, s, kernels=True, dead=False, monkeypatch=None):
     return out.detach(), xs.grad, As.grad, Bs.grad
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_fused_layer_with_the_kernels_gives_the_gradients_of_its_mask(dtype, monkeypatch):
+def test_the_fused_layer_with_the_kernels_gives_the_gradients_of_its_mask(device, dtype, monkeypatch):
     """LoRA4bitLinear with the kernels against the same layer in float64 with the kernels' mask; a dead layer (its
     output read by nothing) gives zeros and the same gradients; no_grad gives the same output."""
-    device, p, s = _device(), 0.1, 2.0
+    p, s = 0.1, 2.0
     if device == "cpu" and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter computes bf16 wrongly")
     x, a, b, _ = _inputs(device, dtype, 128, 64, 8, outputs=32, seed=1)
@@ -139,6 +146,27 @@ def test_the_fused_layer_with_the_kernels_gives_the_gradients_of_its_mask(dtype,
     torch.manual_seed(9)
     with torch.no_grad():  # a checkpoint's first forward: no autograd Function, the same draws
         assert torch.equal(fused_lora._lora_linear(x, None, None, a, b, s, p, False, False, True)[0], out)
+
+
+def test_the_kernel_tests_pass_on_the_cpu_in_tritons_interpreter():
+    """Each test above taking `device`, on CPU tensors in Triton's interpreter: a child pytest of this file with
+    TRITON_INTERPRET=1 set from its start (see INTERPRETER). About 35 s on CI's 2 cores. Not where CUDA runs the
+    kernels themselves (the gpu-marked cases): there torch 2.11 brings Triton 3.6.0, whose interpreter fails under NumPy
+    2.4 (int() of a one-element array, fixed in 3.7)."""
+    if INTERPRETER:
+        pytest.skip("this is the child run")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA runs these kernels themselves (the tests' cuda cases)")
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - missing or broken alike
+        pytest.skip(f"Triton is not importable ({type(e).__name__}): requirements-test.txt installs it for its "
+                    f"interpreter")
+    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rfEs",
+                          "-k", "interpreter"], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=1200)
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and lines and " passed" in lines[-1], run.stdout[-8000:] + run.stderr[-4000:]
 
 
 def test_without_cuda_the_fused_layer_falls_back_to_torchs_dropout(monkeypatch):
@@ -206,9 +234,11 @@ def test_without_triton_the_kernels_are_off_and_say_so_once(monkeypatch, capsys)
 
 @pytest.mark.parametrize("capability,dtype", [(90, "*bf16"), (75, "*fp16")])  # an H200; a GTX 1650 (no bf16)
 def test_the_kernels_compile_for_the_gpus_they_serve(capability, dtype):
-    """Compiled ahead of time, without a GPU, where Triton is installed (CI's CPU has none: skipped there). Triton's
+    """Compiled ahead of time, without a GPU, where Triton is installed (CI too: requirements-test.txt). Triton's
     interpreter accepts code its compiler refuses (call 38 lost a device call to a plain global in a kernel)."""
     triton = pytest.importorskip("triton")
+    if INTERPRETER:
+        pytest.skip("Triton was imported for its interpreter (TRITON_INTERPRET=1): nothing compiles in this process")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
