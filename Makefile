@@ -12,7 +12,7 @@ export MPLCONFIGDIR := $(abspath $(VENV))/matplotlib
 # shows its sliders and panels instead of "Error displaying widget: model not found"
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
 
-.PHONY: setup run test test-unit test-notebooks test-browser lab env clean-notebooks results
+.PHONY: setup run executed test test-unit test-notebooks test-browser lab env clean-notebooks results
 
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
 $(STAMP): requirements.txt requirements-stack.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
@@ -29,9 +29,14 @@ $(TEST_STAMP): requirements-test.txt $(STAMP)
 
 setup: $(STAMP)
 
-## make run: the whole course (notebooks 00-05) on the embedded default; executed copies land in runs/latest/notebooks
+## make run: the whole course (notebooks 00-06) on the embedded default; executed copies land in runs/latest/notebooks
 run: setup
 	$(PY) -m nb_helpers course
+
+## make executed: the same run, its executed notebooks (outputs, plots, tables) also saved to docs/executed/, which
+## the README links: what to expect before running anything. Commit them after a fresh run on a CPU.
+executed: setup
+	$(PY) -m nb_helpers course --executed-dir docs/executed
 
 ## make test: unit tests and the browser suite, then every notebook top to bottom in CI mode (NB_CI=1 shrinks them)
 test: test-unit test-notebooks

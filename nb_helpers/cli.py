@@ -129,9 +129,12 @@ def cmd_course(args) -> int:
     latest = PROJECT_ROOT / "runs" / "latest"
     target = (resolve_run(latest) if latest.exists() else PROJECT_ROOT / "runs" / "course-without-run") / "notebooks"
     target.mkdir(parents=True, exist_ok=True)
-    for name, nb in executed:
-        nbformat.write(nb, target / name)
-    print(f"[course] executed notebooks saved in {target} ({time.time() - started:.0f} s in all)")
+    folders = [target] + ([Path(args.executed_dir)] if args.executed_dir else [])
+    for folder in folders:  # the run's copies, and with --executed-dir the ones the README links
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, nb in executed:
+            nbformat.write(nb, folder / name)
+    print(f"[course] executed notebooks saved in {', '.join(map(str, folders))} ({time.time() - started:.0f} s in all)")
     if failure:
         print(f"[course] {failure[0]} failed:\n{failure[1]}", file=sys.stderr)
         return 1
@@ -220,6 +223,7 @@ def _add_export(sub) -> None:
 def _add_course(sub) -> None:
     p = sub.add_parser("course", help="execute notebooks 00-06 in order and keep them in the run folder (make run)")
     p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")
+    p.add_argument("--executed-dir", help="also save the executed notebooks here (make executed: docs/executed)")
     p.set_defaults(func=cmd_course)
 
 
