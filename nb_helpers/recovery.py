@@ -185,8 +185,10 @@ def keep_good_adapter(run) -> None:
         restored = run.last_good.restore()
         run.summary["status"] = f"stopped: non-finite loss or gradient at step {bad_step}"
         run.summary["adapter_step"] = run.last_good.step if restored else None
-        print(f"[run] {run.summary['status']}. With fp16 (Turing cards) this is usually overflow: lower learning_rate "
-              "(try half), keep max_grad_norm, or use bf16 where the GPU supports it. "
+        print(f"[run] {run.summary['status']}. Either the step diverged (a learning rate too high for this "
+              "data: lower learning_rate, try half, and keep max_grad_norm) or, in fp16 (Turing cards), an "
+              "activation passed fp16's largest value, 65,504 (loss scaling protects the gradients, not the "
+              "forward): bf16 where the GPU has it. Check the rows of that step too (validate-data). "
               + (f"adapter/ holds the last good weights, from step {run.last_good.step}." if restored else
                  "No finite step was completed, so no adapter was saved."))
     if (bad_step is None or run.summary.get("adapter_step")) and distributed.is_main():

@@ -74,15 +74,15 @@ def test_on_a_gtx1650_a_setting_without_recompute_beats_a_graphed_checkpointed_o
 def test_every_card_names_where_its_compute_figures_come_from():
     for card in CARDS.values():
         assert card.compute_source in SOURCES and card.tflops16 > 0 and card.bandwidth_gbs > 0, card.key
-    gtx = find_card("gtx1650")  # 896 cores x 2 FLOPs x 1.665 GHz, twice for half2
-    assert gtx.tflops16 == pytest.approx(896 * 2 * 1.665e9 * 2 / 1e12, rel=0.01)
+    gtx = find_card("gtx1650")  # 896 cores x 2 FLOPs x 1.665 GHz: fp16 matmuls accumulate in fp32 at its fp32 rate
+    assert gtx.tflops16 == pytest.approx(896 * 2 * 1.665e9 / 1e12, rel=0.01)
     assert find_card("6 GiB").compute_source == "gtx1650-compute"
 
 
 def test_a_card_twice_as_fast_halves_the_compute_bound_time_only():
     shape, inp = known_shape("tinyllama-1.1b"), PlanInput(seq=2048, batch=4, accum=2)
     slow = st.predict_step_time(shape, inp, find_card("gtx1650").compute())
-    fast = st.predict_step_time(shape, inp, {**find_card("gtx1650").compute(), "tflops16": 2 * 5.97})
+    fast = st.predict_step_time(shape, inp, {**find_card("gtx1650").compute(), "tflops16": 2 * 2.98})
     assert fast.gpu_by_kind_s["matmul"] < 0.55 * slow.gpu_by_kind_s["matmul"]
     assert fast.gpu_by_kind_s["dequantize"] == pytest.approx(slow.gpu_by_kind_s["dequantize"])
     assert slow.step_s > slow.host_s  # compute-bound on the learner's card: the GPU's time decides

@@ -32,11 +32,15 @@ SOURCES = {
                "since CUDA 11.7's lazy loading)",
     "desktop": "https://github.com/pop-os/system76-power/issues/76 (GNOME on Xorg: 327 MiB on a 4 GB laptop card)",
     # compute: the 16-bit matmul peak (fp32 accumulate) at the boost clock, memory bandwidth, PCIe for offloaded copies
-    "gtx1650-compute": "https://cputronic.com/gpu/nvidia-geforce-gtx-1650 (896 cores, boost 1665 MHz: 2.98 TFLOPS "
-                       "fp32) and https://informatyk-szczecin.com/pt/placa-grafica-geforce-gtx-1650 (14 SMs, 128 GB/s); "
-                       "no tensor cores, fp16 at twice fp32 (half2): 5.97 TFLOPS; PCIe 3.0 x16",
+    "gtx1650-compute": "https://cputronic.com/gpu/nvidia-geforce-gtx-1650 (896 cores, boost 1665 MHz: 2 x 896 x "
+                       "1.665 GHz = 2.98 TFLOPS fp32) and https://informatyk-szczecin.com/pt/placa-grafica-geforce-"
+                       "gtx-1650 (14 SMs, 128 GB/s); TU117 has no tensor cores, and PyTorch's fp16 matmul accumulates "
+                       "in fp32 (cuBLAS compute type 32F), which runs at the fp32 rate: 2.98 TFLOPS. The 5.97 TFLOPS "
+                       "'fp16' of spec sheets is half2 arithmetic with fp16 accumulation, which PyTorch does not use "
+                       "for matmuls; PCIe 3.0 x16",
     "gtx1650-laptop-compute": "estimate: the mobile TU117 has 16 SMs / 1024 cores (informatyk-szczecin.com, as above) "
-                              "at about 1.5 GHz under a laptop's power limit: ~6.1 TFLOPS fp16; 128 GB/s (GDDR5)",
+                              "at about 1.5 GHz under a laptop's power limit: 2 x 1024 x 1.5 GHz = ~3.1 TFLOPS at the "
+                              "fp32 rate PyTorch's fp16 matmuls run at there (see gtx1650-compute); 128 GB/s (GDDR5)",
     "rtx3050-laptop-compute": "https://hmc-tech.com/gpu/nvidia-geforce-rtx-2050-vs-nvidia-geforce-rtx-3050-laptop-80w "
                               "(RTX 3050 Laptop 80 W: 14.25 TFLOPS BF16 tensor, dense; 35-45 W versions clock lower); "
                               "128-bit GDDR6 at 12 Gbps: 192 GB/s; PCIe 4.0 x8",
@@ -58,7 +62,7 @@ class Card:
     source: str  # a key of SOURCES for total_gib
     context_gib: float = CONTEXT_GIB
     desktop_gib: float = DESKTOP_RESERVE_GIB  # 0 where no screen can hang off the card (a T4)
-    tflops16: float = 5.97  # 16-bit matmul peak (fp32 accumulate) at the boost clock: the time model's compute
+    tflops16: float = 2.98  # 16-bit matmul peak (fp32 accumulate) at the boost clock: the time model's compute
     bandwidth_gbs: float = 128.0  # memory bandwidth: the time model's bytes
     pcie_gbs: float = 12.0  # host <-> card copies (offloaded checkpoints); PCIe 3.0 x16 or 4.0 x8, in practice
     compute_source: str = "gtx1650-compute"
@@ -89,7 +93,7 @@ class Card:
 
 CARDS = {card.key: card for card in (
     Card("gtx1650", "GTX 1650 (4 GB)", 3.81, (7, 5), "gtx1650"),
-    Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650", tflops16=6.1,
+    Card("gtx1650-laptop", "GTX 1650 laptop / 1650 Ti (4 GB)", 3.81, (7, 5), "gtx1650", tflops16=3.1,
          compute_source="gtx1650-laptop-compute"),
     Card("rtx3050-laptop-4gb", "RTX 3050 laptop (4 GB)", 3.68, (8, 6), "rtx3050-laptop", tflops16=14.25,
          bandwidth_gbs=192.0, compute_source="rtx3050-laptop-compute", device_names=("RTX 3050",)),
