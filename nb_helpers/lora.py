@@ -88,8 +88,8 @@ def adapter_training_bytes(trainable, optim: str, compute_dtype: str = "auto", l
 
 
 def attach_lora(model, cfg: RunConfig, fast=None):
-    """Freeze the 4-bit base, attach LoRA with get_peft_model, as notebook 02 shows; on a GPU the fast path's levers
-    go on around it (nb_helpers.fast; `fast_path=False` leaves the plain stack).
+    """Freeze the 4-bit base, attach LoRA with get_peft_model, as notebook 02 shows: the plain stack by default;
+    with `fast_path=True` on a GPU the fast path's levers go on around it (nb_helpers.fast, notebook 06).
 
     peft's prepare_model_for_kbit_training upcasts embeddings, head and norms to fp32, which makes the residual stream
     and every checkpoint fp32: 1.03 GiB more at 8 x 512 tokens on an H200, at the same speed and losses

@@ -1,25 +1,25 @@
 """The trainer: TRL's SFTConfig from the run's config, and what the course changes on a built SFTTrainer.
 
-Notebook 03 writes `SFTConfig(...)` and `SFTTrainer(...)` out; sft_config is the same call for the command line and
-the tests (tests/test_training.py checks that the two agree). bookkeeping_args holds the arguments that are not the
-recipe: where checkpoints go, logging, evaluation, CPU or GPU.
+Notebook 03 writes `SFTConfig(...)` and `SFTTrainer(...)` out, every argument with what it is for; sft_config is the
+same call for the command line and the tests (tests/test_training.py checks that the two agree argument by argument).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from nb_helpers import compat, distributed, fast
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 
 
 def sft_config(run):
-    """Every training knob of the config as TRL's SFTConfig. Notebook 03 writes this call out, with what to try
-    for each knob; tests/test_training.py checks that the two agree."""
+    """Every argument the trainer gets, as TRL's SFTConfig: the call notebook 03 writes out, with what to try for each
+    knob (tests/test_training.py checks that the two agree). On the fast path (`fast_path=True`) the fast path sets
+    its own checkpoints, token count and batch padding over the plain stack's three."""
+    import torch
     from trl import SFTConfig
 
-    cfg, dtype = run.cfg, resolve_compute_dtype(run.cfg.compute_dtype)
-    args = SFTConfig(
+    cfg, dtype, cuda = run.cfg, resolve_compute_dtype(run.cfg.compute_dtype), torch.cuda.is_available()
+    arguments = dict(
+        # the recipe
         per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=cfg.learning_rate,
@@ -36,43 +36,45 @@ def sft_config(run):
         bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
         seed=cfg.seed,
-        **bookkeeping_args(run),
-    )
-    distributed.one_gpu_per_process(args)  # one process, several GPUs visible: train on one (SFTTrainer refuses more)
-    return args
-
-def bookkeeping_args(run) -> dict:
-    """SFTConfig's arguments that are not the recipe: where checkpoints go, logging, when to evaluate, CPU or GPU."""
-    import torch
-
-    cfg, cuda = run.cfg, torch.cuda.is_available()
-    return dict(
-        output_dir=str(Path(run.run_dir or ".") / "checkpoints"),
-        per_device_eval_batch_size=cfg.micro_batch_size,
-        logging_steps=cfg.logging_steps,
-        logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
+        # checkpoints, logging, evaluation
+        output_dir=str(run.run_dir / "checkpoints"),
         save_strategy="steps",
         save_steps=cfg.save_steps,
         save_total_limit=2,
+        logging_steps=cfg.logging_steps,
+        logging_nan_inf_filter=False,  # the default hides a NaN loss behind the running mean; we must see it
+        report_to="none",
+        disable_tqdm=True,
         eval_strategy="steps" if cfg.eval_steps and run.eval_rows else "no",
         eval_steps=cfg.eval_steps or None,
-        report_to="none",
+        per_device_eval_batch_size=cfg.micro_batch_size,
         data_seed=cfg.seed,
+        # the machine: CPU or GPU, and DDP (several processes, accelerate launch): every LoRA parameter gets a gradient
+        # each step, so DDP need not search the graph for unused ones (a search that also breaks with gradient
+        # checkpointing), nor broadcast the model's buffers from rank 0 before every forward (each process computes
+        # them from the config and its own batch: RoPE's inv_freq, Gemma's embed_scale). None: one process, no DDP
         use_cpu=not cuda,
         dataloader_pin_memory=cuda,
-        disable_tqdm=True,
-        # DDP (several processes): every LoRA parameter gets a gradient each step, so DDP need not search the graph
-        # for unused ones; that search also breaks with gradient checkpointing. None: one process, no DDP.
         ddp_find_unused_parameters=False if run.world_size > 1 else None,
-        # nor broadcast the model's buffers from rank 0 before every forward: each process computes them from the
-        # config and its own batch (RoPE's inv_freq, Gemma's embed_scale), nothing is learned
         ddp_broadcast_buffers=False if run.world_size > 1 else None,
-        **fast.trainer_arguments(run.model),  # checkpoints, token count, batch padding: the fast path's, or the stock
+        # the plain stack's checkpoints, token count and batch padding
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        include_num_input_tokens_seen="non_padding",
+        pad_to_multiple_of=None,
     )
+    if cfg.fast_path:
+        # the fast path's own values of the last three for this model (reentrant checkpoints, TRL's token count alone,
+        # batches padded to a multiple of 64 where it pays); notebook 06 shows these
+        arguments.update(fast.trainer_arguments(run.model))
+    args = SFTConfig(**arguments)
+    distributed.one_gpu_per_process(args)  # one process, several GPUs visible: train on one (SFTTrainer refuses more)
+    return args
+
 
 def adapt_trainer(run, trainer) -> None:
-    """What the course changes on a built trainer: one progress line instead of raw log dicts, the fast path's
-    collator check and optimizer step, and fp32 adapters where the precision needs them."""
+    """What the course changes on a built trainer: TRL's raw log dicts off (the course prints one progress line), the
+    device of several CPU processes, fp32 adapters where the precision needs them, and with `fast_path=True` the fast
+    path's own changes (fast.adapt_trainer; on the plain stack it changes nothing)."""
     from transformers import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # raw log dicts; our one-line progress and metrics.jsonl replace them

@@ -50,16 +50,17 @@ def test_metrics_count_the_tokens_the_trainer_counts(trained):
     assert sum(r["tokens"] for r in steps) == trainer.state.num_input_tokens_seen  # TRL's count is the Trainer's
 
 
-def test_one_token_count_leaves_the_trainer_out(tiny_cfg, monkeypatch):
+def test_one_token_count_leaves_the_trainer_out(tiny_cfg, monkeypatch, tmp_path):
     from nb_helpers.lora import attach_lora
     from nb_helpers.models import ModelChoice, load_4bit
-    from nb_helpers.trainer_setup import bookkeeping_args
+    from nb_helpers.trainer_setup import sft_config
+    from nb_helpers.training import TrainingRun
 
     for lever, expected in (("1", "no"), ("0", "non_padding")):
         monkeypatch.setenv(fastpath.ENV_VAR, f"one_token_count={lever}")
         model = attach_lora(load_4bit(tiny_cfg, ModelChoice(tiny_cfg.model, "tiny", "test")), tiny_cfg)
-        run = SimpleNamespace(cfg=tiny_cfg, model=model, run_dir=None, eval_rows=[], world_size=1)
-        assert bookkeeping_args(run)["include_num_input_tokens_seen"] == expected
+        run = TrainingRun(tiny_cfg, model=model, run_dir=tmp_path)
+        assert sft_config(run).include_num_input_tokens_seen == expected
 
 
 def test_a_line_per_window_and_a_new_trainers_count(tmp_path):

@@ -91,16 +91,17 @@ def test_resume_note_at_the_same_and_at_another_world_size(tmp_path):
 
 def test_ddp_settings_only_with_several_processes(tmp_path, no_gpu):
     from nb_helpers.training import TrainingRun
-    from nb_helpers.trainer_setup import bookkeeping_args
+    from nb_helpers.trainer_setup import sft_config
 
     run = TrainingRun(RunConfig(), run_dir=tmp_path)
-    assert bookkeeping_args(run)["ddp_find_unused_parameters"] is None
-    assert bookkeeping_args(run)["ddp_broadcast_buffers"] is None
+    args = sft_config(run)
+    assert args.ddp_find_unused_parameters is None and args.ddp_broadcast_buffers is None
     run.world_size = 2
+    args = sft_config(run)
     # every LoRA parameter gets a gradient; searching for unused ones breaks with gradient checkpointing
-    assert bookkeeping_args(run)["ddp_find_unused_parameters"] is False
-    assert bookkeeping_args(run)["ddp_broadcast_buffers"] is False  # computed by each process, never learned
-    assert bookkeeping_args(run)["gradient_checkpointing_kwargs"]["use_reentrant"] is False
+    assert args.ddp_find_unused_parameters is False
+    assert args.ddp_broadcast_buffers is False  # computed by each process, never learned
+    assert args.gradient_checkpointing_kwargs["use_reentrant"] is False
 
 
 def test_each_process_loads_onto_its_own_device(monkeypatch, no_gpu):

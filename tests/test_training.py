@@ -143,30 +143,110 @@ def notebook_03_code(marker: str) -> str:
     return found[0]
 
 
+def sft_arguments(run, monkeypatch, cell: str | None = None) -> tuple[dict, dict]:
+    """The keyword arguments notebook 03's SFTConfig(...) cell (or `cell`, a changed copy) and trainer_setup.sft_config
+    pass to SFTConfig for this run, as called."""
+    import torch
+    import trl
+
+    from nb_helpers.distributed import one_gpu_per_process
+    from nb_helpers.plan.dtypes import resolve_compute_dtype
+    from nb_helpers.trainer_setup import sft_config
+
+    built, calls = trl.SFTConfig, []
+
+    def recording(*args, **kwargs):
+        assert not args, "SFTConfig takes keyword arguments only here"
+        calls.append(kwargs)
+        return built(**kwargs)
+
+    monkeypatch.setattr(trl, "SFTConfig", recording)  # sft_config imports it from trl when called
+    names = {"SFTConfig": recording, "torch": torch, "resolve_compute_dtype": resolve_compute_dtype,
+             "one_gpu_per_process": one_gpu_per_process, "run": run}
+    exec(cell or notebook_03_code("SFTConfig("), names)
+    sft_config(run)
+    assert len(calls) == 2, "the notebook cell and sft_config should each build one SFTConfig"
+    return calls[0], calls[1]
+
+
+def differences(notebook: dict, package: dict) -> dict:
+    """{argument: (notebook's value, package's value)} wherever the two calls differ: a keyword only one of them
+    passes (the other's side reads as missing), or another value."""
+    missing = "(not passed)"
+    return {k: (notebook.get(k, missing), package.get(k, missing)) for k in sorted(set(notebook) | set(package))
+            if k not in notebook or k not in package or notebook[k] != package[k]}
+
+
 @pytest.mark.parametrize("changes, rows", [
     ({}, [{"prompt": "q", "completion": "a"}]),
     ({"compute_dtype": "float32", "eval_steps": 2, "micro_batch_size": 4, "grad_accum": 2, "max_steps": 7},
      [{"prompt": "q", "completion": "a"}]),
     ({"completion_only_loss": True, "gradient_checkpointing": False, "lr_scheduler_type": "cosine"}, [{"text": "t"}]),
+    ({"eval_steps": 0, "save_steps": 3, "logging_steps": 2, "seed": 7, "optim": "adamw_torch"}, []),
 ])
-def test_notebook_sft_config_matches_the_package(tmp_path, changes, rows):
-    """Notebook 03's SFTConfig(...) cell, run against a TrainingRun, equals training.sft_config: the CLI trains
-    with exactly the settings the notebook teaches."""
-    from trl import SFTConfig
-
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_notebook_sft_config_matches_the_package(tmp_path, monkeypatch, changes, rows, world_size):
+    """Notebook 03's SFTConfig(...) cell, run against a TrainingRun, passes exactly the keyword arguments
+    trainer_setup.sft_config passes, with the same values: the CLI trains with exactly the settings the notebook
+    teaches, every argument written out in both (none added, left out or set differently in one of them)."""
     from nb_helpers.config import RunConfig
-    from nb_helpers.plan.dtypes import resolve_compute_dtype
     from nb_helpers.training import TrainingRun
-    from nb_helpers.trainer_setup import bookkeeping_args, sft_config
 
-    run = TrainingRun(RunConfig(**changes), train_rows=rows, eval_rows=rows, run_dir=tmp_path)
-    from nb_helpers.distributed import one_gpu_per_process
+    run = TrainingRun(RunConfig(**changes), train_rows=rows, eval_rows=rows, run_dir=tmp_path, world_size=world_size)
+    notebook, package = sft_arguments(run, monkeypatch)
+    assert differences(notebook, package) == {}
+    text_rows = bool(rows) and "text" in rows[0]
+    assert notebook["completion_only_loss"] is (changes.get("completion_only_loss", True) and not text_rows)
 
-    names = {"SFTConfig": SFTConfig, "resolve_compute_dtype": resolve_compute_dtype,
-             "bookkeeping_args": bookkeeping_args, "one_gpu_per_process": one_gpu_per_process, "run": run}
-    exec(notebook_03_code("SFTConfig("), names)
-    assert names["args"].to_dict() == sft_config(run).to_dict()
-    assert names["args"].completion_only_loss is (changes.get("completion_only_loss", True) and "text" not in rows[0])
+
+@pytest.mark.parametrize("line, change, differs", [
+    ('    save_strategy="steps",', "", "save_strategy"),  # left out: TRL's default is "steps", so only the name tells
+    ("    save_total_limit=2,", "    save_total_limit=3,", "save_total_limit"),
+    ("    pad_to_multiple_of=None,", "    pad_to_multiple_of=None, dataloader_drop_last=False,",
+     "dataloader_drop_last"),  # one more, at TRL's default value
+])
+def test_the_agreement_check_notices_one_argument_changed(tmp_path, monkeypatch, line, change, differs):
+    """The check above is a real one: a copy of notebook 03's cell with one argument left out, set differently or
+    added, even at TRL's default value, differs from sft_config in exactly that argument."""
+    from nb_helpers.config import RunConfig
+    from nb_helpers.training import TrainingRun
+
+    cell = notebook_03_code("SFTConfig(")
+    found = [l for l in cell.splitlines() if l.split("#")[0].rstrip() == line]
+    assert len(found) == 1, f"notebook 03's SFTConfig cell should have the line {line!r}"
+    run = TrainingRun(RunConfig(), train_rows=[{"prompt": "q", "completion": "a"}], run_dir=tmp_path)
+    notebook, package = sft_arguments(run, monkeypatch, cell.replace(found[0], change))
+    assert list(differences(notebook, package)) == [differs]
+
+
+def test_the_fast_path_sets_its_three_arguments_over_the_plain_ones(tmp_path, monkeypatch):
+    """Notebook 03 writes the plain stack's checkpoints, token count and batch padding; they are what the fast path's
+    trainer_arguments gives a plain-stack model (every lever off, whatever NB_FASTPATH says), and with
+    fast_path=True sft_config passes the fast path's own values instead, every other argument as the notebook's."""
+    from types import SimpleNamespace
+
+    from nb_helpers import fast
+    from nb_helpers.config import RunConfig
+    from nb_helpers.fast.state import attach
+    from nb_helpers.training import TrainingRun
+
+    monkeypatch.setenv(fast.ENV_VAR, "reentrant=1,one_token_count=1,pad_lengths=1,graphs=1")
+    decided = ("gradient_checkpointing_kwargs", "include_num_input_tokens_seen", "pad_to_multiple_of")
+    plain_model = SimpleNamespace()
+    attach(plain_model, fast.FastOptions.for_run(RunConfig()), use_graphs=False, no_recompute=0)
+    rows = [{"prompt": "q", "completion": "a"}]
+    notebook, package = sft_arguments(TrainingRun(RunConfig(), train_rows=rows, run_dir=tmp_path,
+                                                  model=plain_model), monkeypatch)
+    assert {k: notebook[k] for k in decided} == fast.trainer_arguments(plain_model)
+    assert differences(notebook, package) == {}
+
+    fast_model = SimpleNamespace()  # on this machine's levers with NB_FASTPATH: CPU halves, where they have one
+    attach(fast_model, fast.FastOptions.for_run(RunConfig(fast_path=True)), use_graphs=False, no_recompute=0)
+    run = TrainingRun(RunConfig(fast_path=True), train_rows=rows, run_dir=tmp_path, model=fast_model)
+    notebook, package = sft_arguments(run, monkeypatch)
+    assert {k: package[k] for k in decided} == fast.trainer_arguments(fast_model)
+    assert set(differences(notebook, package)) <= set(decided)
+    assert differences(notebook, package)["include_num_input_tokens_seen"] == ("non_padding", "no")
 
 
 def test_notebook_builds_the_trainer_as_build_trainer_does():
