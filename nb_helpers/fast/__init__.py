@@ -1,4 +1,5 @@
-"""The fast path, a plugin: not needed to follow the course; `RunConfig(fast_path=False)` turns it off.
+"""The fast path, a plugin: off by default (notebooks 00-05 train the plain stack); `RunConfig(fast_path=True)`, which
+notebook 06 sets, turns it on.
 
 On a CUDA GPU it trains the reference recipe's math with less memory and less time per token than the plain
 transformers + peft + TRL stack (bench/RESULTS.md, which also tables what each lever gains alone). Off, or on a CPU,
@@ -204,7 +205,7 @@ def levers_line(model, cfg, ran: dict | None = None) -> str:
 
 def lever_table(cfg) -> str:
     """Markdown: each lever, whether it runs on this machine with `cfg`, what it changes, what it gave where measured
-    (fast.options.LEVERS), and how to turn it off. Notebook 03 shows it before anything loads."""
+    (fast.options.LEVERS), and how to turn it off. Notebook 06 shows it where it switches the fast path on."""
     import torch
 
     from nb_helpers.fast.options import LEVERS
@@ -236,7 +237,7 @@ def trainer_arguments(model) -> dict:
     """SFTConfig's arguments the fast path decides for this model: reentrant checkpoints, who counts the tokens
     (fast.host_step says why the Trainer's own count waits on the GPU), and batch lengths padded to a multiple of 64
     (CUDA-graphed layers replay one graph per shape; cuDNN's attention builds its plans once per shape). On the plain
-    stack they are transformers' and TRL's defaults."""
+    stack they are notebook 03's: non-reentrant checkpoints, the Trainer counting non-padding tokens, no padding."""
     from nb_helpers.fast.checkpoints import checkpoint_kwargs, pad_multiple
     from nb_helpers.fast.host_step import trainer_token_count
 

@@ -3,7 +3,7 @@
 layers no checkpoint at all (they keep their activations: no recompute in their backward); and the batch padding
 graphs need.
 
-Reentrant checkpoints (the GPU default) run the forward under no_grad: no autograd graph and no saved-tensor hook per
+Reentrant checkpoints (the fast path's, on a GPU) run the forward under no_grad: no autograd graph and no saved-tensor hook per
 saved tensor, which is host time on a host-bound step (an H200, 2026-12-01). They need an input that requires grad:
 transformers' gradient_checkpointing_enable makes the embeddings' output require it.
 """

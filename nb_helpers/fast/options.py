@@ -1,8 +1,8 @@
 """Which levers of the fast path a run uses: the run's `fast_path` switch, the machine, and `NB_FASTPATH`.
 
-`RunConfig.fast_path` (on by default) is the one switch: off, a GPU run is the plain transformers + peft + TRL stack
-of the reference recipe. `NB_FASTPATH` switches single levers for benchmarks without touching the config:
-`NB_FASTPATH="kernels=0,nomask=1"`. Without a CUDA GPU every lever is off by default: the CPU path keeps the code its
+`RunConfig.fast_path` (off by default; notebook 06 turns it on) is the one switch: off, a GPU run is the plain
+transformers + peft + TRL stack of the reference recipe. `NB_FASTPATH` switches single levers for benchmarks without
+touching the config: `NB_FASTPATH="kernels=0,nomask=1"`. Without a CUDA GPU every lever is off by default: the CPU path keeps the code its
 measured results were made with.
 """
 

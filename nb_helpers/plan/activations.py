@@ -38,7 +38,7 @@ Transients at the peak
     matmuls: 2*h*i bytes for the largest layer).
 
 Measured (on an H200; the runs are in bench/results/runs/)
-  * CUDA-graphed layers (the GPU default; nb_helpers.fast.graphed_layers): one memory pool holds a layer's recompute and
+  * CUDA-graphed layers (the fast path's, where auto-fit or cuda_graphs asks; nb_helpers.fast.graphed_layers): one memory pool holds a layer's recompute and
     backward for every graph, at all times, measured at GRAPH_POOL_FACTOR x what that work needs eagerly, plus two
     hidden states of shared buffers and GRAPH_OVERHEAD_GIB outside the pool. The layer's eager transients leave the
     last layer's backward phase, so the peak usually moves to the loss.

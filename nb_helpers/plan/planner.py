@@ -14,7 +14,7 @@ Weights (static)
   * NF4 linear weights (bitsandbytes Params4bit): 0.5 byte per weight, packed two per byte.
   * Quantization constants, one absmax per 64-weight block: fp32 (4/64 byte per weight); with double quant the
     absmax is itself 8-bit (1/64) plus one fp32 per 256 absmax (4/16384).
-  * Embeddings, untied LM head, norms: 16-bit on the lean GPU path (nb_helpers.fast, the default).
+  * Embeddings, untied LM head, norms: 16-bit on a GPU, plain stack and fast path alike (the lean path).
     The older path's prepare_model_for_kbit_training cast every non-4-bit parameter to fp32 (4 bytes each), which
     also made the residual stream fp32: `lean=False` models it (the 4-byte terms of the activations); on the lean
     path each "fp32" activation of the residual stream (norm inputs, checkpoints, final hidden states and their
@@ -45,7 +45,7 @@ Measured, not derivable from the code (H200, CUDA 13, torch 2.11; bench/RESULTS.
   * Allocator overhead: memory PyTorch reserves beyond the peak it has allocated, because freed blocks of other
     sizes stay cached. It grows with the activations, and gradient checkpointing, which frees and re-allocates a
     layer's activations for every layer, fragments more: ALLOCATOR_OVERHEAD_GC / _GC_LEAN / _NO_GC of the peak
-    activations. With expandable segments (the GPU path's default on Linux, nb_helpers.fast) freed pages are
+    activations. With expandable segments (the fast path's on Linux, nb_helpers.fast) freed pages are
     reused for any size and the overhead measured 0.02-0.27 GiB on 11 points of 3 shapes: EXPANDABLE_OVERHEAD_GIB.
   * CUDA context: measured on this GPU when there is one (memory.measure_context_bytes), else
     CONSUMER_CONTEXT_GIB, the usual size on consumer cards.
@@ -67,7 +67,7 @@ RUNTIME_OVERHEAD_GIB = 0.145  # outside the allocator after the first steps; H20
 ALLOCATOR_OVERHEAD_GC = 0.22  # reserved - allocated, as a share of the peak's activation bytes, GC on (fp32 path)
 ALLOCATOR_OVERHEAD_GC_LEAN = 0.35  # the same on the lean path (half the activation bytes, the same transients)
 ALLOCATOR_OVERHEAD_NO_GC = 0.05  # the same without checkpointing
-EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments (the GPU default on Linux): flat
+EXPANDABLE_OVERHEAD_GIB = 0.15  # reserved - allocated with expandable segments (the fast path on Linux): flat
 # torch's default cuBLAS workspace per handle (CUBLAS_WORKSPACE_CONFIG unset): 32 MiB on Hopper and newer, else
 # 4096 KiB x 2 + 16 KiB x 8. The forward (main thread) and the autograd thread each hold one handle.
 CUBLAS_WORKSPACE_MIB = {"hopper": 32.0, "older": 8.125}
