@@ -180,8 +180,12 @@ def test_what_learners_read_names_machines_dates_and_commands_not_our_bookkeepin
 
 
 def test_a_run_file_records_the_run_and_rewrites_itself(tmp_path, monkeypatch):
-    from run_file import RunFile
+    import os
 
+    from run_file import ENVIRONMENT, RunFile
+
+    for key in [k for k in os.environ if k.startswith("NB_") or k in ENVIRONMENT]:  # the machine's own (the GPU suite
+        monkeypatch.delenv(key)  # runs with NB_OFFLINE_DEVICE and NB_CACHE_DIR set): only what this test sets counts
     monkeypatch.setenv("NB_FASTPATH", "graphs=0")
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")
     run = RunFile("cpu", out_dir=tmp_path, device="cpu", argv=["bench/cpu_bench.py", "--steps", "2"])
