@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run_file import RunFile, add_out_dir  # noqa: E402
+from run_file import RunFile, add_out_dir, cpu_model  # noqa: E402
 
 ISA_LIMITS = {
     "native": {},
@@ -47,16 +46,6 @@ def variants() -> list[tuple[str, dict]]:
         ("16-bit base (no 4-bit)", {"load_in_4bit": False}),
         ("1 thread", {"__threads": 1}),
     ]
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def matmul_gflops(n: int = 1024, reps: int = 5) -> dict:
