@@ -29,15 +29,14 @@ RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 WORKLOADS = {"w512": "8 × 512 tokens", "w2048": "8 × 2048 tokens", "shipped": "the shipped data (~110 tokens a row)"}
 GTX1650 = {"bfloat16": "ours-bfloat16-gtx1650", "float16": "ours-float16-gtx1650"}
 SPREAD = "tokens per second, reference and ours"
-OUTPUT_FLAGS = re.compile(r"\s+--(?:out|out-dir|output|trace|gpu-trace)(?:=|\s+)\S+")
-ASIDE = re.compile(r"\s*\([^()]*\bcalls?\b[^()]*\)", re.I)  # "(call 31)", "(two device calls)": bookkeeping
 
 
 # --- reading the runs ---------------------------------------------------------------------------------------------
 def shown(command) -> str:
-    """The command as run, without its output paths; several invocations joined by "; "."""
-    commands = command if isinstance(command, list) else [command or "not recorded"]
-    return "; ".join(dict.fromkeys(ASIDE.sub("", OUTPUT_FLAGS.sub("", c)).strip() for c in commands))
+    """The command as a reader is shown it (nb_helpers.ui.benchmarks.shown_command, the notebooks' too)."""
+    from nb_helpers.ui.benchmarks import shown_command
+
+    return shown_command(command)
 
 
 def machine(run: dict) -> str:

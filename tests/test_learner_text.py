@@ -14,7 +14,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "docs" / "executed").glob("*.ipynb"))
 PACKAGE = sorted((ROOT / "nb_helpers").rglob("*.py"))
 
 BOOKKEEPING = {
@@ -39,7 +39,9 @@ def cell_texts(path: Path):
         where = f"{path.name} cell {index} ({cell.get('id', '?')})"
         yield where, "".join(cell["source"])
         for output in cell.get("outputs", []):
-            texts = [output.get("text", "")] + list((output.get("data") or {}).values())
+            # what a reader sees: text, HTML, markdown; not images (base64) nor a widget's view (its model's id)
+            texts = [output.get("text", "")] + [value for mime, value in (output.get("data") or {}).items()
+                                                if mime.startswith("text/")]
             texts += [output.get("evalue", "")] + output.get("traceback", [])
             for text in texts:
                 text = "".join(text) if isinstance(text, list) else str(text)

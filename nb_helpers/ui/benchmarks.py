@@ -14,6 +14,8 @@ from nb_helpers.config import PROJECT_ROOT
 LATEST_JSON = PROJECT_ROOT / "bench" / "results" / "latest.json"
 RECIPES = ("reference", "ours")  # the two runs every workload has; the levers' runs are in bench/results/runs
 _OUTPUT_FLAGS = re.compile(r"\s+--(?:out|out-dir|output|trace|gpu-trace)(?:=|\s+)\S+")
+_ASIDE = re.compile(r"\s*\([^()]*\bcalls?\b[^()]*\)", re.I)  # "(call 31)", "(two device calls)": bookkeeping
+_ONLY = re.compile(r"\s+--only(?:=|\s+)(\S+)")
 
 
 @dataclass
@@ -38,9 +40,20 @@ class Benchmark:
 
 
 def shown_command(command) -> str:
-    """A recorded command as a reader wants it: without its output paths (where a file went, not what ran)."""
-    commands = command if isinstance(command, list) else [command or ""]
-    return "; ".join(dict.fromkeys(_OUTPUT_FLAGS.sub("", c).strip() for c in commands))
+    """A recorded command as a reader wants it: without its output paths (where a file went, not what ran), without
+    the asides some old records carry about our own bookkeeping ("(call 31)"), and with a long --only list of run
+    names counted rather than listed (the table beside it names the runs; the run file keeps the command whole)."""
+    commands = command if isinstance(command, list) else [command or "not recorded"]
+    shown = (_only_counted(_ASIDE.sub("", _OUTPUT_FLAGS.sub("", c))).strip() for c in commands)
+    return "; ".join(dict.fromkeys(shown))
+
+
+def _only_counted(command: str) -> str:
+    def count(match):
+        names = match.group(1).split(",")
+        return match.group(0) if len(names) <= 3 else f" --only <{len(names)} runs, named in the table>"
+
+    return _ONLY.sub(count, command)
 
 
 def _batch(run: dict) -> tuple:
