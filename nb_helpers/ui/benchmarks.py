@@ -14,7 +14,7 @@ from nb_helpers.config import PROJECT_ROOT
 LATEST_JSON = PROJECT_ROOT / "bench" / "results" / "latest.json"
 RECIPES = ("reference", "ours")  # the two runs every workload has; the levers' runs are in bench/results/runs
 _OUTPUT_FLAGS = re.compile(r"\s+--(?:out|out-dir|output|trace|gpu-trace)(?:=|\s+)\S+")
-_ASIDE = re.compile(r"\s*\([^()]*\bcalls?\b[^()]*\)", re.I)  # "(call 31)", "(two device calls)": bookkeeping
+_ASIDE = re.compile(r"\s*\([^()]*\bcalls?\b[^()]*\)", re.I)  # a parenthesis numbering our own benchmark calls
 _ONLY = re.compile(r"\s+--only(?:=|\s+)(\S+)")
 
 
@@ -41,7 +41,7 @@ class Benchmark:
 
 def shown_command(command) -> str:
     """A recorded command as a reader wants it: without its output paths (where a file went, not what ran), without
-    the asides some old records carry about our own bookkeeping ("(call 31)"), and with a long --only list of run
+    the asides some old records carry about our own bookkeeping (a parenthesis numbering a benchmark call), and with a long --only list of run
     names counted rather than listed (the table beside it names the runs; the run file keeps the command whole)."""
     commands = command if isinstance(command, list) else [command or "not recorded"]
     shown = (_only_counted(_ASIDE.sub("", _OUTPUT_FLAGS.sub("", c))).strip() for c in commands)
