@@ -199,6 +199,17 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def count(text: str) -> int:
+    """argparse's type for a count the user gives (--limit, --prompts): a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
 def _add_validate_data(sub) -> None:
     p = sub.add_parser("validate-data", help="check a JSONL dataset (exit 0 clean, 1 errors, 2 unreadable)")
     p.add_argument("path")
@@ -207,7 +218,7 @@ def _add_validate_data(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a knob, as for train")
     p.add_argument("--max-length", type=int, help="warn about rows longer than this (default: the config's)")
     p.add_argument("--all-tokens", action="store_true", help="loss on all tokens (completion_only_loss=False)")
-    p.add_argument("--limit", type=int, default=200, help="most problems to print")
+    p.add_argument("--limit", type=count, default=200, help="most problems to print")
     p.set_defaults(func=cmd_validate_data)
 
 
@@ -215,7 +226,7 @@ def _add_export(sub) -> None:
     p = sub.add_parser("export", help="merged 16-bit model -> GGUF (f16, q8_0), checked, + Ollama Modelfile")
     p.add_argument("--run", default=str(PROJECT_ROOT / "runs" / "latest"), help="run folder (default: runs/latest)")
     p.add_argument("--gguf", default="f16,q8_0", help="comma list of GGUF kinds: f16, q8_0")
-    p.add_argument("--prompts", type=int, default=12,
+    p.add_argument("--prompts", type=count, default=12,
                    help="held-out prompts whose greedy answers each GGUF must reproduce (0 skips the check)")
     p.set_defaults(func=cmd_export)
 

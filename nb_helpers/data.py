@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nb_helpers.config import RunConfig
+from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.hub import missing_path_problem
 
 ROLES = ("system", "user", "assistant")
@@ -319,8 +319,10 @@ def longest_row_tokens(rows: list[dict], tokenizer) -> int:
 
 
 def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=None) -> list[dict]:
-    """Rows of a JSONL file (checked) or a hub dataset. Errors stop here, before any model loads, unless
-    cfg.skip_invalid drops the bad rows (their line numbers are printed)."""
+    """Rows of a JSONL file (checked) or a hub dataset, the first `limit` of them (None or 0: all). Errors stop here,
+    before any model loads, unless cfg.skip_invalid drops the bad rows (their line numbers are printed)."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ConfigError(f"load_rows(limit={limit!r}): give a whole number of rows, 0 or more, or None for all")
     path = cfg.resolve_path(source)
     if path.suffix in {".jsonl", ".json"} or path.exists():
         report = check_jsonl(path, cfg.completion_only_loss, tokenizer, cfg.max_length)

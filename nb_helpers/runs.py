@@ -15,8 +15,10 @@ from pathlib import Path
 from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.metrics import read_metrics
 
-PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # not "-rf" (read as an option) nor ".hidden" (hidden)
 RESERVED = {".", "..", "latest"}
+# Windows' device names: a folder named CON (or con.txt) cannot be made or opened there
+WINDOWS_DEVICE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(\..*)?", re.I)
 MAX_LEN = 100
 
 
@@ -28,10 +30,12 @@ def check_run_name(name: str | None) -> None:
     """Refuse a run_name that is not a plain folder name, with the fix, before anything loads."""
     if name is None:
         return
-    if not isinstance(name, str) or not PLAIN_NAME.fullmatch(name) or name in RESERVED or len(name) > MAX_LEN:
+    if (not isinstance(name, str) or not PLAIN_NAME.fullmatch(name) or name in RESERVED or len(name) > MAX_LEN
+            or WINDOWS_DEVICE.fullmatch(name)):
         raise ConfigError(f"run_name={name!r}: use a plain folder name of letters, digits, '.', '_' and '-' (up to "
-                          f"{MAX_LEN} characters, not '.', '..' or 'latest'), e.g. run_name='r16-lr1e-4'. The run "
-                          "goes under runs_dir; to write runs elsewhere, set runs_dir")
+                          f"{MAX_LEN} characters, not starting with '-' or '.', not 'latest' nor a Windows device "
+                          "name such as CON or NUL), e.g. run_name='r16-lr1e-4'. The run goes under runs_dir; to "
+                          "write runs elsewhere, set runs_dir")
 
 
 def new_run_dir(cfg: RunConfig, model_name: str) -> Path:

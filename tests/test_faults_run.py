@@ -204,7 +204,8 @@ def test_a_read_only_runs_dir_is_found_before_the_model_loads(tiny_cfg, monkeypa
 
 # --- 3. run_name is a folder name, and runs/latest only ever replaces what the course wrote ------------------------
 
-@pytest.mark.parametrize("name", ["../escaped", "/tmp/elsewhere", "latest", "..", "a/b", "my run"])
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/elsewhere", "latest", "..", "a/b", "my run", "-rf", ".hidden",
+                                  "CON", "nul.txt", "com1"])
 def test_run_name_must_be_a_plain_folder_name(tiny_cfg, name, monkeypatch):
     from nb_helpers import training
 
@@ -212,6 +213,25 @@ def test_run_name_must_be_a_plain_folder_name(tiny_cfg, name, monkeypatch):
     with pytest.raises(ConfigError, match=r"run_name=.*plain folder name of letters, digits"):
         training.prepare_run(tiny_cfg.replace(run_name=name), verbose=False)
     assert not (tiny_cfg.resolve_path(tiny_cfg.runs_dir).parent / "escaped").exists()
+
+
+def test_plain_names_that_only_look_unusual_are_taken():
+    from nb_helpers.runs import check_run_name
+
+    for name in ("r16-lr1e-4", "_draft", "v1.2", "console", "nul-run", "a" * 100):
+        check_run_name(name)  # no error
+
+
+def test_counts_given_on_the_command_line_or_to_load_rows_are_never_negative(cli, tiny_cfg):
+    from nb_helpers.data import load_rows
+
+    for args in (("validate-data", "data/train.jsonl", "--limit", "-1"), ("export", "--prompts", "-3"),
+                 ("validate-data", "data/train.jsonl", "--limit", "two")):
+        result = cli(*args)
+        assert result.returncode == 2 and "give 0 or more" in result.stderr and "Traceback" not in result.stderr, args
+    with pytest.raises(ConfigError, match=r"load_rows\(limit=-3\): give a whole number of rows, 0 or more"):
+        load_rows("data/eval.jsonl", tiny_cfg, -3)
+    assert len(load_rows("data/eval.jsonl", tiny_cfg, 2)) == 2
 
 
 def test_latest_replaces_only_a_link_or_its_own_text_file(tmp_path, capsys):
