@@ -190,10 +190,15 @@ def write_liger(root: Path, rms_norm_forward: str, swiglu_backward: str = "a, b,
         (root / "liger_kernel" / name).write_text(text, encoding="utf-8")
 
 
-def test_liger_signatures_are_read_from_source(monkeypatch, tmp_path):
+def fake_liger_on_path(monkeypatch, folder: Path) -> None:
+    """liger_kernel imported from `folder` (write_liger's files) for this test, whatever was imported before."""
     for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(folder))
+
+
+def test_liger_signatures_are_read_from_source(monkeypatch, tmp_path):
+    fake_liger_on_path(monkeypatch, tmp_path)
     write_liger(tmp_path, "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None")
     assert compat.failed(["kernels"]) == {}
     write_liger(tmp_path, "ctx, X, W, eps, offset=0.0, casting_mode='llama', row_mode=None")  # in_place dropped
@@ -212,9 +217,7 @@ def test_liger_signatures_are_read_from_source(monkeypatch, tmp_path):
     ("", "swiglu.swiglu_forward is gone")])
 def test_a_changed_liger_swiglu_forward_turns_off_the_levers_that_call_it(monkeypatch, tmp_path, forward, says):
     """fast.fused_block calls swiglu_forward(gate, up, 1.0)[2]: its arguments by position and what it returns."""
-    for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    fake_liger_on_path(monkeypatch, tmp_path)
     stock = "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None"
     write_liger(tmp_path, stock)
     assert compat.failed(["kernels", "fused_block", "frozen_norms"]) == {}
@@ -225,9 +228,7 @@ def test_a_changed_liger_swiglu_forward_turns_off_the_levers_that_call_it(monkey
 
 
 def test_a_changed_liger_norm_internal_turns_off_only_frozen_norms(monkeypatch, tmp_path):
-    for name in [m for m in sys.modules if m.startswith("liger_kernel")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    fake_liger_on_path(monkeypatch, tmp_path)
     stock = "ctx, X, W, eps, offset=0.0, casting_mode='llama', in_place=True, row_mode=None"
     write_liger(tmp_path, stock)
     assert compat.failed(["kernels", "fused_block", "frozen_norms"]) == {}
