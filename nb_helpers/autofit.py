@@ -12,9 +12,28 @@ import weakref
 from nb_helpers import compat, distributed, fast
 from nb_helpers.config import RunConfig
 from nb_helpers.data import longest_row_tokens
-from nb_helpers.plan.cards import budget_of, planning_context_gib
+from nb_helpers.plan.cards import machine_budget_gib, planning_context_gib
 
 _FUSED_HEADS: weakref.WeakSet = weakref.WeakSet()  # models given TRL's fused LM head for the trial step
+
+
+def training_length(cfg: RunConfig, longest_row: int, model=None) -> int:
+    """The length auto-fit fits for: the longest training row (short rows, such as the shipped data's ~110 tokens,
+    never fill max_length), at most max_length, padded as batches will be (fast.fit_length; before loading, from
+    the run's options). The one answer for the panel before loading and for the run."""
+    seq = min(cfg.max_length, longest_row)
+    return fast.fit_length(model, seq) if model is not None else fast.planned_fit_length(cfg, seq)
+
+
+def longest_training_row(cfg: RunConfig) -> int:
+    """Tokens in cfg.train_file's longest row, chat template applied, before any weights load (the panel's length;
+    the run measures the same rows with the same tokenizer)."""
+    from nb_helpers.data import load_train_eval
+    from nb_helpers.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(cfg, verbose=False).path, cfg.trust_remote_code)
+    train_rows, _ = load_train_eval(cfg, tokenizer)  # the rows the run trains on, split off as the run splits them
+    return longest_row_tokens(train_rows, tokenizer)
 
 
 def fit_to_budget(run, verbose: bool = True) -> None:
@@ -22,11 +41,11 @@ def fit_to_budget(run, verbose: bool = True) -> None:
     candidates on its GPU and every process takes its choice, so all run the same micro-batch x accumulation."""
     from nb_helpers.plan.planner import plan_for_config
 
-    # Short rows (the shipped data: ~110 tokens) never fill max_length: fit for what training will really run
-    seq = min(run.cfg.max_length, longest_row_tokens(run.train_rows, run.tokenizer))
-    if verbose and seq < run.cfg.max_length:
-        print(f"[auto-fit] the longest training row has {seq} tokens (max_length {run.cfg.max_length}): fitting for {seq}")
-    seq = fast.fit_length(run.model, seq)  # where batches are padded to a multiple of 64 tokens: fit for that length
+    longest = longest_row_tokens(run.train_rows, run.tokenizer)
+    if verbose and longest < run.cfg.max_length:
+        print(f"[auto-fit] the longest training row has {longest} tokens (max_length {run.cfg.max_length}): "
+              f"fitting for {longest}")
+    seq = training_length(run.cfg, longest, run.model)
     context = planning_context_gib(run.cfg, run.summary.get("cuda_context_gib"))
     fitted = error = None
     if distributed.is_main():
@@ -52,25 +71,57 @@ def adopt_choice(model, fitted: RunConfig) -> None:
                                no_recompute_layers=fitted.no_recompute_layers if fitted.gradient_checkpointing else 0)
 
 
+def planned_fit(cfg: RunConfig, shape, seq: int, context_gib: float | None, gpu_total_gib: float | None,
+                offload_allowed: bool, trial=None, log=None):
+    """Auto-fit's choice for `cfg` at `seq` tokens, against the machine's one budget (cards.machine_budget_gib): the
+    planner ranks the candidates and `trial` confirms each (None: the plan alone, which is what the panel shows
+    before loading). The run and the panel both come here, so the panel says what trains."""
+    from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on
+    from nb_helpers.plan.planner import plan_for_config
+    from nb_helpers.plan.step_time import timing_gpu
+
+    budget = machine_budget_gib(cfg, gpu_total_gib)
+    if budget is None:
+        raise ValueError("auto-fit needs a budget: a CUDA GPU, cfg.card or cfg.budget_gib")
+    base = plan_for_config(cfg.replace(max_length=seq, budget_gib=budget), shape, context_gib=context_gib).inputs
+    return auto_fit(shape, base, cfg.effective_batch, budget, trial=trial, log=log or (lambda *_: None),
+                    offload_allowed=offload_allowed, gpu=timing_gpu(cfg),  # fastest on the run's card, or this GPU
+                    fewer_recomputes=fewer_recomputes_on(cfg, shape))
+
+
+SLIDER_SETTINGS = ("micro_batch_size", "grad_accum", "gradient_checkpointing")  # what the panel's sliders show
+
+
+def chosen_settings(choice) -> dict:
+    """A choice as RunConfig settings: the three the sliders show first, then the checkpoint details."""
+    return dict(micro_batch_size=choice.batch, grad_accum=choice.accum,
+                gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
+                cuda_graphs=choice.graphs, no_recompute_layers=choice.no_recompute_layers)
+
+
+def gpu_total_gib() -> float | None:
+    """This machine's GPU memory in GiB as PyTorch reports it, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+
+
 def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | None, verbose: bool = True,
                  seq: int | None = None) -> RunConfig:
-    """Choose micro-batch x accumulation and GC for cfg.budget_gib (or the whole GPU), keeping the effective batch;
-    each choice is confirmed by one forward and backward at `seq` tokens (the longest training row, at most
+    """Choose micro-batch x accumulation and GC within the machine's budget, keeping the effective batch; each
+    choice is confirmed by one forward and backward at `seq` tokens (the longest training row, at most
     max_length), stepping down on OOM. CUDA only."""
     import torch
 
     from nb_helpers.plan.memory import memory_snapshot
-    from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on
     from nb_helpers.plan.dtypes import resolve_compute_dtype
-    from nb_helpers.plan.planner import plan_for_config
-    from nb_helpers.plan.step_time import timing_gpu
 
     if shape is None:
         raise RuntimeError("auto_fit needs a Llama-family config.json the planner can read; set micro_batch_size "
                            "and grad_accum by hand instead")
-    budget = budget_of(cfg) or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     seq = min(seq or cfg.max_length, cfg.max_length)
-    base = plan_for_config(cfg.replace(max_length=seq), shape, context_gib=context_gib).inputs
     # the dtype this GPU trains in: an emulated card's capability sizes the plan, not the autocast (a bf16 run under
     # the GTX 1650's budget on a bigger GPU is still bf16; the trial ran fp16 autocast over bf16 weights and failed)
     dtype = getattr(torch, resolve_compute_dtype(cfg.compute_dtype))
@@ -87,16 +138,13 @@ def run_auto_fit(cfg: RunConfig, model, tokenizer, shape, context_gib: float | N
             gc.collect()
             torch.cuda.empty_cache()
 
-    choice = auto_fit(shape, base, cfg.effective_batch, budget, trial=trial,
-                      log=print if verbose else (lambda *_: None), offload_allowed=fast.can_offload(model),
-                      gpu=timing_gpu(cfg),  # fastest on the run's card (or this GPU), by the time model
-                      fewer_recomputes=fewer_recomputes_on(cfg, shape))
+    choice = planned_fit(cfg, shape, seq, context_gib, gpu_total_gib(), fast.can_offload(model), trial=trial,
+                         log=print if verbose else None)
     if not choice.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     torch.cuda.reset_peak_memory_stats()
-    return cfg.replace(micro_batch_size=choice.batch, grad_accum=choice.accum,
-                       gradient_checkpointing=choice.gradient_checkpointing, offload_checkpoints=choice.offload,
-                       cuda_graphs=choice.graphs, no_recompute_layers=choice.no_recompute_layers)
+    return cfg.replace(**chosen_settings(choice))
+
 
 def trial_step(model, batch: int, length: int, checkpointing: bool, dtype, vocab: int, offload: bool = False,
                graphs: bool = False, no_recompute_layers: int = 0) -> None:
@@ -131,8 +179,6 @@ def keep_graphs_within_budget(run, verbose: bool = True) -> None:
     """Settings chosen by hand (auto-fit weighs graphs itself): CUDA-graphed layers hold a memory pool, so where the
     planner puts the graphed run over the budget (or the card) and the eager one under it, this run goes eager.
     A hand-set run that left cuda_graphs unset runs eagerly (the lean path) and hears once what graphs would cost."""
-    import torch
-
     from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
 
     cfg = run.cfg
@@ -144,7 +190,7 @@ def keep_graphs_within_budget(run, verbose: bool = True) -> None:
         return
     if not cfg.cuda_graphs:
         return
-    budget = budget_of(cfg) or torch.cuda.get_device_properties(distributed.local_rank()).total_memory / 2**30
+    budget = machine_budget_gib(cfg, gpu_total_gib())  # auto-fit's and the panel's budget
     chosen = graphs_dropped_unless_they_fit(run.prediction, budget)
     if chosen is not run.prediction:
         if verbose:

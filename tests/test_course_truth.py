@@ -42,9 +42,7 @@ def test_a_slider_moved_after_loading_says_the_loaded_run_does_not_train_it():
     assert "moved after loading" not in panel.binding.status.value
 
 
-def test_the_plan_panel_says_what_will_train(monkeypatch, no_gpu):
-    import torch
-
+def test_the_plan_panel_says_what_will_train(no_gpu):
     from nb_helpers.plan.catalog import known_shape
     from nb_helpers.ui.widgets import plan_widget
 
@@ -52,10 +50,13 @@ def test_the_plan_panel_says_what_will_train(monkeypatch, no_gpu):
     assert view.widget.value.startswith("<div><b>these settings train as set</b>")
     view.update(RunConfig(auto_fit=True))  # no GPU here: auto-fit cannot run, and the panel says so
     assert "these settings train as set</b> (auto-fit needs a CUDA GPU)" in view.widget.value
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    view.update(RunConfig(auto_fit=True, budget_gib=4.0))
+    shape = known_shape("tinyllama-1.1b")  # on a GPU, the longest training row not given: auto-fit chooses at loading
+    view = plan_widget(RunConfig(auto_fit=True, budget_gib=4.0), shape, gpu_total_gib=24.0)
+    assert "<b>auto-fit will choose</b>" in view.widget.value and "longest_row" in view.widget.value
+    cfg = RunConfig(auto_fit=True, budget_gib=4.0)  # given: its choice, written into the sliders' settings
+    view = plan_widget(cfg, shape, longest_row=119, gpu_total_gib=24.0)
     assert "<b>auto-fit will train</b> micro-batch 8 x accumulation 1" in view.widget.value
-    assert "the prediction below is for your settings as set" in view.widget.value
+    assert (cfg.micro_batch_size, cfg.grad_accum) == (8, 1)
 
 
 def test_a_legend_of_long_run_names_stays_inside_the_figure():

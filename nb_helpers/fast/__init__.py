@@ -17,6 +17,7 @@ module, and only through these calls:
                                           #   check, bitsandbytes' AdamW kernels called directly (fast.host_step,
                                           #   fast.optimizer_step)
     fit_length, prepare_trial, trial_guard, end_trial, use_checkpoint_choice, can_offload   # auto-fit's trial
+    planned_fit_length                    # the length auto-fit fits for, before the model loads (the panel)
     levers_ran, levers_line, lever_table  # what config.json, summary.json, the log and notebook 03 say ran
 
 The planner learns what the fast path runs from fast.plan_terms, which the package registers with plan.engine: the
@@ -33,7 +34,7 @@ from nb_helpers.fast.state import FastPath, attach, options_of, path_of, record
 from nb_helpers.frontend import say_once
 
 __all__ = ["ENV_VAR", "FastOptions", "FastPath", "gpu_options", "options_for", "before_lora", "after_lora",
-           "trainer_arguments", "adapt_trainer", "fit_length", "prepare_trial", "trial_guard", "end_trial",
+           "trainer_arguments", "adapt_trainer", "fit_length", "planned_fit_length", "prepare_trial", "trial_guard", "end_trial",
            "use_checkpoint_choice", "can_offload", "levers_ran", "levers_line", "lever_table", "use_expandable_segments",
            "kept_quant_state_bytes"]
 
@@ -253,6 +254,18 @@ def fit_length(model, seq: int) -> int:
     from nb_helpers.fast.graphed_layers import padded_length
 
     return padded_length(seq) if pad_multiple(model) else seq
+
+
+def planned_fit_length(cfg, seq: int) -> int:
+    """fit_length before the model loads, from the run's options (as checkpoints.pad_multiple decides after)."""
+    import torch
+
+    from nb_helpers.fast.graphed_layers import padded_length
+
+    fast = options_for(cfg)
+    graphs = fast.graphs and fast.reentrant and cfg.graphs_wanted
+    pads = torch.cuda.is_available() and (graphs or fast.pad_lengths)
+    return padded_length(seq) if pads else seq
 
 
 def prepare_trial(model, checkpointing: bool, offload: bool = False, graphs: bool = False,

@@ -142,6 +142,16 @@ def budget_of(cfg, course_card: bool = False) -> float | None:
     return card.budget_gib(cfg.desktop_on_card) if card else None
 
 
+def machine_budget_gib(cfg, gpu_total_gib: float | None) -> float | None:
+    """The budget auto-fit and the panel both judge against on a machine whose GPU has `gpu_total_gib` (None: no
+    GPU): budget_of(cfg) where one is set or a card is named, else that GPU's own total less the desktop reserve, as
+    a card preset counts it (cfg.desktop_on_card=False on a headless machine), else None."""
+    named = budget_of(cfg)
+    if named is not None or gpu_total_gib is None:
+        return named
+    return round(gpu_total_gib - (DESKTOP_RESERVE_GIB if cfg.desktop_on_card else 0.0), 2)
+
+
 def warn_line_gib(cfg) -> float:
     """Where notebook 04 flags device memory: vram_warn_gib as set, else the budget of the run's card (the course's
     GTX 1650: 3.46 GiB, below its 3.81 GiB total, so the flag can come before an out-of-memory error)."""

@@ -8,8 +8,9 @@ import html
 
 from nb_helpers.config import ConfigError, RunConfig
 from nb_helpers.plan.planner import plan_for_config
-from nb_helpers.plan.step_time import time_line, timing_gpu
-from nb_helpers.plan.cards import CARDS, COURSE_CARD, budget_of, find_card, run_card
+from nb_helpers.plan.step_time import time_line
+from nb_helpers.plan.cards import (CARDS, COURSE_CARD, budget_of, find_card, machine_budget_gib,
+                                   planning_context_gib, run_card)
 
 # field -> (widget kind, options, description). Options are the values worth trying on a 4 GB card.
 CONTROLS = {
@@ -26,10 +27,16 @@ CONTROLS = {
     "gradient_checkpointing": ("bool", None, "gradient checkpointing"),
     # plans (and on a bigger GPU, the budget) follow it; unset = the course's GTX 1650 in plans, no cap in training
     "card": ("dropdown", [None, *CARDS], "your card"),
+    # notebook 07 (DPO): how far it may move from the SFT model, and its own learning rate and steps
+    "dpo_beta": ("select", [0.01, 0.05, 0.1, 0.2, 0.5, 1.0], "DPO beta"),
+    "dpo_learning_rate": ("select", [1e-5, 2e-5, 5e-5, 1e-4, 2e-4], "DPO learning rate"),
+    "dpo_max_steps": ("int", None, "DPO steps"),
 }
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "card")
 TRAIN_FIELDS = ("lora_r", "lora_alpha", "grad_accum", "micro_batch_size", "max_length", "gradient_checkpointing",
                 "learning_rate", "max_steps", "num_train_epochs", "card")
+PREFERENCE_FIELDS = ("dpo_beta", "lora_r", "dpo_learning_rate", "dpo_max_steps", "micro_batch_size", "grad_accum",
+                     "max_length", "gradient_checkpointing", "card")
 RECIPE_ALPHA_PER_RANK = 2  # the reference recipe's alpha = 2r: the update's scale alpha/r stays 2 whatever r is
 # Wide enough for the longest label and a slider track a mouse can aim at (the defaults cut labels, ~54 px tracks)
 LABEL_WIDTH, CONTROL_WIDTH = "190px", "560px"
@@ -117,6 +124,19 @@ class _Binding:
             save_choices(cfg, self.saved_fields)
         if self.on_change:
             self.on_change(cfg)
+            self.show_config()  # on_change may set knobs itself: auto-fit's choice in the panel
+
+    def show_config(self) -> None:
+        """Each control shows cfg's value again, without counting as a move (after auto-fit wrote its choice)."""
+        self.syncing = True
+        try:
+            for name, control in self.controls.items():
+                value = getattr(self.cfg, name)
+                if name != "target_modules" and control.value != value and not (name == "card" and not value):
+                    control.value = value
+        finally:
+            self.syncing = False
+        self.refresh()
 
     def changed(self, change, name: str) -> None:
         if self.syncing:
@@ -160,21 +180,33 @@ def _controls(cfg: RunConfig, fields, targets) -> dict[str, object]:
 
 
 def config_widgets(cfg: RunConfig, fields=TRAIN_FIELDS, on_change=None, on_error=None, targets=None,
-                   carry: bool = False):
+                   carry: bool = False, auto_fit=None):
     """A box of controls that write straight into `cfg`, with a status line under them.
 
     Every change is validated: a valid one updates `cfg`, the status line and `on_change(cfg)`; an invalid one
     leaves `cfg` as it was and shows the reason in red (and passes it to `on_error(message)`). `targets` (the
     model's linear layer names) adds a selector for `cfg.target_modules`. While alpha = 2r (the recipe), moving r
     moves alpha with it; once you move alpha yourself, it stays where you put it. `carry=True` saves every valid
-    change for the next notebook (nb_helpers.course)."""
+    change for the next notebook (nb_helpers.course). `auto_fit`: the plan_widget that, where auto-fit decides, sets
+    the micro-batch, accumulation and checkpointing: those controls are then marked (auto-fit) and locked."""
     import ipywidgets as w
+
+    from nb_helpers.autofit import SLIDER_SETTINGS
 
     saved_fields = [*fields, *(["target_modules"] if targets is not None else [])]
     if "lora_r" in fields and "lora_alpha" not in saved_fields:
         saved_fields.append("lora_alpha")  # it follows r, so it is a choice too
+    decided = auto_fit is not None and auto_fit.auto_fit_decides(cfg)
+    if decided:  # auto-fit's choice is not the learner's: it is not carried to the next notebook as one
+        saved_fields = [name for name in saved_fields if name not in SLIDER_SETTINGS]
     binding = _Binding(cfg, w.HTML(), saved_fields, on_change, on_error, carry)
     binding.controls = _controls(cfg, fields, targets)
+    if decided:
+        for name in SLIDER_SETTINGS:
+            if name in binding.controls:
+                control = binding.controls[name]
+                control.description, control.disabled = f"{control.description} (auto-fit)", True
+                control.tooltip = "auto-fit chooses this for your effective batch; AUTO_FIT = False to set it"
     for name, control in binding.controls.items():
         control.observe(lambda change, name=name: binding.changed(change, name), names="value")
     binding.refresh()
@@ -228,8 +260,11 @@ class PlanView:
     `update(cfg)` recomputes it (pass it as `config_widgets(..., on_change=view.update)`); `view.plan` is the
     latest nb_helpers.plan.planner.Plan (None when the planner could not answer). Display it with `display(view)`."""
 
-    def __init__(self, cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None):
+    def __init__(self, cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None,
+                 longest_row: int | None = None, gpu_total_gib: float | None = None):
         import ipywidgets as w
+
+        from nb_helpers.autofit import gpu_total_gib as this_gpu_total_gib
 
         from nb_helpers.plan.dtypes import cuda_capability
         from nb_helpers.plan.planner import default_context_gib, load_shape
@@ -242,6 +277,10 @@ class PlanView:
             except Exception as e:  # noqa: BLE001 - a model the planner cannot read still trains; say so
                 self.shape, self.shape_error = None, f"cannot read {shape}'s config.json ({e})"
         self.budget_gib = budget_gib
+        # auto-fit's inputs: the longest training row (tokens), and the GPU it will run on (None: no CUDA GPU here)
+        self.longest_row = longest_row
+        self.gpu_total_gib = this_gpu_total_gib() if gpu_total_gib is None else gpu_total_gib
+        self.choice = None  # auto-fit's choice at the last update, where it decides the batch
         self.capability = cuda_capability()
         self.context_gib = default_context_gib() if context_gib is None else context_gib
         if self.capability is None:
@@ -257,27 +296,65 @@ class PlanView:
         self.update(cfg)
 
     def budget_for(self, cfg: RunConfig) -> tuple[float, str]:
-        """The budget and where it comes from: the argument, else cfg.budget_gib, else cfg.card's, else the course's
-        GTX 1650 (plan/cards.py)."""
+        """The budget and where it comes from: the argument, else cfg.budget_gib, else cfg.card's, else this GPU's
+        own (its total less the desktop reserve: auto-fit's budget too), else the course's GTX 1650 (plan/cards.py)."""
         if self.budget_gib is not None:
             return self.budget_gib, "given to plan_widget"
-        card = run_card(cfg) or (None if cfg.budget_gib is not None else find_card(COURSE_CARD))
+        card = run_card(cfg)
+        if card is None and cfg.budget_gib is None and self.gpu_total_gib is not None:
+            reserve = " less the desktop reserve (cfg.desktop_on_card)" if cfg.desktop_on_card else ""
+            return machine_budget_gib(cfg, self.gpu_total_gib), (
+                f"this GPU's {self.gpu_total_gib:.2f} GiB{reserve}; auto-fit judges against the same")
+        card = card or (None if cfg.budget_gib is not None else find_card(COURSE_CARD))
         source = "cfg.budget_gib" if card is None else card.describe(cfg.desktop_on_card) + (
             "" if cfg.card else "; the course's card: set cfg.card for yours")
         return budget_of(cfg, course_card=True), source
+
+    def auto_fit_decides(self, cfg: RunConfig) -> bool:
+        """Whether auto-fit will choose this run's micro-batch, accumulation and checkpointing: it is on, and the run
+        has a CUDA GPU (auto-fit's trial step needs one) and its longest training row is known here."""
+        return bool(cfg.auto_fit and self.gpu_total_gib is not None and self.longest_row and self.shape is not None)
+
+    def auto_fit_unseen(self, cfg: RunConfig) -> bool:
+        """Auto-fit will decide at loading, but this panel was not given the longest row to make its choice here."""
+        return bool(cfg.auto_fit and self.gpu_total_gib is not None and not self.longest_row)
+
+    def fit_sliders(self, cfg: RunConfig):
+        """Where auto-fit decides: its choice before loading, written into cfg's micro-batch, accumulation and
+        checkpointing (the sliders then show it), planned at the length it fits for. Returns (choice, length)."""
+        from nb_helpers.autofit import SLIDER_SETTINGS, chosen_settings, planned_fit, training_length
+        from nb_helpers.plan.engine import engine_view
+
+        seq = training_length(cfg, self.longest_row)
+        budget = machine_budget_gib(cfg, self.gpu_total_gib)
+        offload = engine_view(cfg, self.shape, budget, None, None).can_offload
+        choice = planned_fit(cfg, self.shape, seq, planning_context_gib(cfg, self.context_gib), self.gpu_total_gib,
+                             offload)
+        settings = chosen_settings(choice)
+        for name in SLIDER_SETTINGS:
+            setattr(cfg, name, settings[name])
+        return choice, seq
 
     def update(self, cfg: RunConfig) -> None:
         from nb_helpers.plan.choose import graphs_dropped_unless_they_fit
 
         budget, source = self.budget_for(cfg)
+        self.choice, length = None, cfg.max_length
         try:
             if self.shape is None:
                 raise ValueError(self.shape_error or "no model shape: pass load_shape(model path)")
+            if self.auto_fit_decides(cfg):
+                self.choice, length = self.fit_sliders(cfg)
             card = run_card(cfg)  # a named card brings its own capability and context
-            planned = plan_for_config(cfg.replace(budget_gib=budget), self.shape,  # levers hang on the budget shown
-                                      context_gib=None if card else self.context_gib,
+            planned = plan_for_config(cfg.replace(budget_gib=budget, max_length=length), self.shape,
+                                      context_gib=None if card else self.context_gib,  # levers hang on the budget
                                       gpu_capability=None if card else self.capability or (7, 5))
             result = graphs_dropped_unless_they_fit(planned, budget)  # what a run on that card would use
+        except MemoryError as e:
+            self.plan = None
+            self.widget.value = (f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: "
+                                 f"{html.escape(str(e))}</div>")
+            return
         except Exception as e:  # noqa: BLE001 - a widget callback must not raise; say why instead
             self.plan = None
             self.widget.value = (f"<div style='color:{OVER_COLOR}'><b>no prediction</b> for these settings: "
@@ -285,27 +362,24 @@ class PlanView:
             return
         result.budget_gib = budget
         self.plan = result
-        self.widget.value = self.what_trains(cfg, planned, result, budget) + time_html(result, cfg) + \
+        self.widget.value = self.what_trains(cfg, length) + time_html(result, cfg) + \
             plan_html(result, source, self.device_note)
 
-    def what_trains(self, cfg: RunConfig, planned, result, budget: float) -> str:
-        """One line over the prediction: whether these settings train as set, or what auto-fit will run instead."""
-        import torch
-
-        if not cfg.auto_fit:
-            return "<div><b>these settings train as set</b>; the prediction below is theirs</div>"
-        if not torch.cuda.is_available():
+    def what_trains(self, cfg: RunConfig, length: int) -> str:
+        """One line over the prediction: these settings train as set, or auto-fit's choice (already in the sliders)."""
+        if self.choice is not None:
+            rows = (f"{length} tokens, the longest training row" if length < cfg.max_length else
+                    f"max_length {cfg.max_length}")
+            return (f"<div><b>auto-fit will train</b> {html.escape(self.choice.describe())}, at {rows}: the sliders "
+                    f"marked (auto-fit) show it. Its trial step on the GPU confirms it and steps down if it runs "
+                    f"out of memory. Set AUTO_FIT = False to choose them yourself</div>")
+        if self.auto_fit_unseen(cfg):
+            return ("<div><b>auto-fit will choose</b> the micro-batch, accumulation and checkpointing at loading, for "
+                    "the longest training row: give plan_widget longest_row= (nb_helpers.autofit.longest_training_row) "
+                    "to see its choice here. The prediction below is for your settings as set</div>")
+        if cfg.auto_fit and self.gpu_total_gib is None:
             return "<div><b>these settings train as set</b> (auto-fit needs a CUDA GPU); the prediction is theirs</div>"
-        from nb_helpers.plan.choose import auto_fit, fewer_recomputes_on
-
-        try:  # `planned`: the settings as set, graphs weighed, before any are dropped for the card
-            choice = auto_fit(self.shape, planned.inputs, cfg.effective_batch, budget, log=lambda *_: None,
-                              gpu=timing_gpu(cfg), fewer_recomputes=fewer_recomputes_on(cfg, self.shape))
-        except MemoryError as e:
-            return f"<div style='color:{OVER_COLOR}'><b>auto-fit finds nothing that fits</b>: {html.escape(str(e))}</div>"
-        return (f"<div><b>auto-fit will train</b> {html.escape(choice.describe())}: that is what trains (it keeps your "
-                f"effective batch {cfg.effective_batch}); the prediction below is for your settings as set, "
-                f"{result.peak_gib:.2f} GiB</div>")
+        return "<div><b>these settings train as set</b>; the prediction below is theirs</div>"
 
     def set_shape(self, shape, cfg: RunConfig) -> None:
         """Plan another model (a Shape from load_shape) with the same knobs."""
@@ -370,16 +444,21 @@ def plan_html(result, budget_source: str, device_note: str) -> str:
             f"<th {cell.format('right')}>share</th></tr>{''.join(rows)}</table></details></div>")
 
 
-def plan_widget(cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None) -> PlanView:
+def plan_widget(cfg: RunConfig, shape, budget_gib: float | None = None, context_gib: float | None = None,
+                longest_row: int | None = None, gpu_total_gib: float | None = None) -> PlanView:
     """Live "will it fit?": the predicted peak of `cfg` against the budget (budget_gib, else cfg.budget_gib, else
     4.0 GiB, the card this course targets), with its breakdown. `shape` is nb_helpers.plan.planner.load_shape(model
     path), read once (a path is read here). Without a CUDA GPU the prediction is for a GTX 1650-class card
     (compute capability 7.5, CUDA context 0.30 GiB). Wire it to the sliders:
 
         view = plan_widget(cfg, shape)
-        display(config_widgets(cfg, fields=TRAIN_FIELDS, on_change=view.update), view)
-    """
-    return PlanView(cfg, shape, budget_gib=budget_gib, context_gib=context_gib)
+        display(config_widgets(cfg, fields=TRAIN_FIELDS, on_change=view.update, auto_fit=view), view)
+
+    With cfg.auto_fit on a CUDA GPU and `longest_row` (nb_helpers.autofit.longest_training_row(cfg)), the panel
+    makes auto-fit's choice before loading and writes it into cfg, against the budget the run uses; the sliders
+    auto-fit decides say so. `gpu_total_gib` plans for another GPU's size than this machine's (tests)."""
+    return PlanView(cfg, shape, budget_gib=budget_gib, context_gib=context_gib, longest_row=longest_row,
+                    gpu_total_gib=gpu_total_gib)
 
 
 def family_plan_widget(cfg: RunConfig, start: str | None = None, budget_gib: float | None = None):
