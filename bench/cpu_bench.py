@@ -45,6 +45,7 @@ def variants() -> list[tuple[str, dict]]:
         ("gradient checkpointing on", {"gradient_checkpointing": True}),
         ("16-bit base (no 4-bit)", {"load_in_4bit": False}),
         ("1 thread", {"__threads": 1}),
+        ("1 x 8 (the reference's batch)", {"micro_batch_size": 1, "grad_accum": 8}),
     ]
 
 
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per variant (the first is not timed)")
     parser.add_argument("--only", choices=sorted(ISA_LIMITS), help="one ISA limit instead of both")
+    parser.add_argument("--variants", default=None,
+                        help="comma list of variant names to run (default: all), e.g. 'profile (auto dtype),1 x 8 (the reference's batch)'")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before a variant is stopped")
     parser.add_argument("--output", default=None, help="write the run file exactly here (default: --out-dir)")
     add_out_dir(parser)
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
     rows = result["rows"]
     for isa in [args.only] if args.only else list(ISA_LIMITS):
         for name, changes in variants():
+            if args.variants and name not in args.variants.split(","):
+                continue
             row = run_variant(isa, name, changes, args.steps, args.timeout)
             rows.append(row)
             took = f"{row['median_step_s']} s/step" if row["median_step_s"] else "no step timed"

@@ -208,6 +208,6 @@ def say_graphs_cost(run) -> None:
     if not graphed.components.get("graphs"):  # NB_FASTPATH turned them off, or checkpoints they cannot replay
         return
     extra = graphed.peak_gib - run.prediction.peak_gib
-    print(f"[plan] layers run eagerly (the lean path: settings set by hand use no more memory than the recipe); "
+    print(f"[plan] layers run eagerly (settings set by hand use no more memory than the recipe); "
           f"cuda_graphs=True replays them as CUDA graphs, several times faster for {extra:.2f} GiB more "
           f"(predicted {graphed.peak_gib:.2f} GiB), and auto_fit=True weighs both")
