@@ -70,3 +70,25 @@ def test_step_time_drift_is_flagged_and_steady_runs_are_not():
     rising = flag_problems(run([350.0] * 6 + [400.0] * 3 + [469.0] * 6))
     assert any("step time rose 34%" in f for f in rising), rising
     assert not any("rose" in f for f in flag_problems(run([350.0, 352.0, 349.0] * 5)))
+
+
+def test_a_run_slow_for_most_of_its_steps_is_flagged_as_uneven():
+    """Seen in the browser: an r=8 run on a busy machine ran 5.2-58.4 s a step (median 42.5 s), an r=16 run 5.3 s;
+    spikes (against the median) and drift (first third against last) both missed it, and 04 compared the two."""
+    from nb_helpers.ui.analysis import step_time_range, uneven_steps
+
+    times = [9.0, 5.2, 5.3, 41.0, 42.5, 44.0, 58.4, 42.0, 43.0, 42.5, 41.5, 43.5]
+    busy = [{"step": i + 1, "loss": 1.0 - 0.01 * i, "step_s": t} for i, t in enumerate(times)]
+    flags = flag_problems(busy)
+    assert any("step times ranged 5.20-58.40 s" in f and "busy" in f for f in flags), flags
+    assert step_time_range(busy)[0] == 5.2  # the table's fastest step: the first step (allocation) is not counted
+    idle = [{**r, "step_s": 5.3 + 0.1 * (i % 3)} for i, r in enumerate(busy)]
+    assert uneven_steps(idle) is None and flag_problems(idle) == []
+
+
+def test_a_run_still_training_is_not_called_older_than_the_planner():
+    from nb_helpers.ui.analysis import predicted_vs_measured_report
+
+    assert "still training" in predicted_vs_measured_report({})
+    assert "before the planner existed" not in predicted_vs_measured_report({})
+    assert "could not read" in predicted_vs_measured_report({"status": "completed"})

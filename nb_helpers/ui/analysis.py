@@ -42,6 +42,31 @@ def step_time_drift(steps: list[dict]) -> tuple[float, float, float] | None:
     return first, last, last / first - 1
 
 
+UNEVEN_FACTOR = 3.0  # a run whose slowest timed step took this many times its fastest ran on a busy machine
+
+
+def step_time_range(steps: list[dict]) -> tuple[float, float, float] | None:
+    """(fastest, median, slowest) seconds per step after the first (which pays for allocation); None with fewer
+    than 3 timed steps."""
+    times = [r["step_s"] for r in steps[1:] if r.get("step_s")]
+    if len(times) < 3:
+        return None
+    return min(times), median(times), max(times)
+
+
+def uneven_steps(steps: list[dict]) -> str | None:
+    """A warning when step times were so uneven that the run's median says more about the machine's load than about
+    its settings (spikes and drift, measured against the median, miss a run that was slow for most of its steps)."""
+    spread = step_time_range(steps)
+    if spread is None or spread[2] < UNEVEN_FACTOR * spread[0]:
+        return None
+    fastest, middle, slowest = spread
+    return (f"step times ranged {fastest:.2f}-{slowest:.2f} s (median {middle:.2f} s): the same settings ran "
+            f"{slowest / fastest:.0f}x slower on some steps, so the machine was busy with something else. This run's "
+            "step time and tokens/s measure that load, not its settings: compare runs by their fastest steps, or "
+            "train again on an idle machine.")
+
+
 def flag_problems(records: list[dict], vram_warn_gib: float | None = None) -> list[str]:
     """Plain-language warnings: memory over the card's budget, step-time spikes and drift (another program, or a
     laptop throttling), and a loss that went up. `vram_warn_gib`: default the course's GTX 1650 budget (3.46 GiB)."""
@@ -63,6 +88,8 @@ def flag_problems(records: list[dict], vram_warn_gib: float | None = None) -> li
                          f"(steps {', '.join(str(r['step']) for r in spikes[:8])}). A single spike is usually another program "
                          "using the machine; regular ones can come from a laptop GPU throttling (check temperature and "
                          "power mode) or from memory pressure (lower memory use).")
+    if uneven := uneven_steps(steps):
+        flags.append(uneven)
     drift = step_time_drift(steps[3:] or steps)
     if drift is not None and drift[2] > DRIFT_LIMIT:
         first, last, rise = drift
@@ -115,9 +142,13 @@ def predicted_vs_measured_report(summary: dict) -> str:
     from nb_helpers.plan.step_time import time_note
 
     rows = predicted_vs_measured(summary)
+    if not summary:
+        return ("_No summary.json yet: this run is still training, or stopped before writing one. The prediction "
+                "and the measured peak are written there when training ends; re-run this cell then._")
     if not rows:
-        return ("_No prediction in this run's summary.json: it was trained before the planner existed. Train it "
-                "again, or run `python -m nb_helpers plan` with its settings._")
+        return ("_No prediction in this run's summary.json: the planner could not read this model's config.json, "
+                "or an older version of the course trained it. `python -m nb_helpers plan` with its settings "
+                "predicts it now._")
     predicted, measured = summary["predicted_peak_gib"], summary.get("peak_vram_gib")
     if measured is None:
         where = "CPU run" if str(summary.get("device", "")).startswith("cpu") else "NVML could not read this GPU"
