@@ -12,8 +12,9 @@ from pathlib import Path
 from nb_helpers import distributed
 from nb_helpers.frontend import resume_hint
 from nb_helpers.metrics import parse_metrics, set_aside
-from nb_helpers.runs import read_json, write_json, write_jsonl
+from nb_helpers.runs import point_latest_back, read_json, write_json, write_jsonl
 from nb_helpers.faults.checkpoints import newest_complete, save_checkpoint_now
+from nb_helpers.faults.run_lock import release_run_lock
 from nb_helpers.faults.write_errors import as_write_failure
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, write_summary
 
@@ -193,3 +194,33 @@ def keep_good_adapter(run) -> None:
                  "No finite step was completed, so no adapter was saved."))
     if (bad_step is None or run.summary.get("adapter_step")) and distributed.is_main():
         save_adapter(run.model, run.tokenizer, run.run_dir)
+
+
+# --- a stop outside trainer.train(): loading, scoring the base model, the final scoring ---------------------------
+
+def stopped_outside_training(run) -> str:
+    """Ctrl-C or SIGTERM anywhere but inside trainer.train() (guard_training handles that): the run folder is left
+    as a run or not at all, and its lock is let go. A folder where no step was trained and no checkpoint written
+    holds nothing to resume: it is removed and runs/latest names the run it named before. Otherwise summary.json says
+    "interrupted", with the steps metrics.jsonl holds, and a resume runs only what is missing. Returns the line to
+    print."""
+    run_dir = getattr(run, "run_dir", None)
+    if run is None or run_dir is None or not distributed.is_main():
+        if run is not None and getattr(run, "resume_dir", None) is not None:
+            release_run_lock(run.resume_dir)
+        return "[run] stopped before the run folder was opened: nothing was written"
+    run_dir = Path(run_dir)
+    if run.metrics is not None:
+        run.metrics.close()
+    trained = any("loss" in r for r in parse_metrics(run_dir / "metrics.jsonl")[0])
+    if run.resume_dir is None and not trained and newest_complete(run_dir / "checkpoints")[0] is None:
+        release_run_lock(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        point_latest_back(run_dir, run.previous_latest)
+        back = f"; runs/latest names {run.previous_latest.name} again" if run.previous_latest else ""
+        return f"[run] stopped before the first step: nothing was trained, so {run_dir} is removed{back}"
+    try:
+        write_summary(run_dir, run.choice.name, {**run.summary, "status": "interrupted"})
+    finally:
+        release_run_lock(run_dir)
+    return f"[run] stopped outside training; summary.json says \"interrupted\"; {resume_hint(run_dir)}"

@@ -44,7 +44,7 @@ def new_run_dir(cfg: RunConfig, model_name: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     base = cfg.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}_{re.sub(r'[^A-Za-z0-9.-]+', '-', model_name)}_r{cfg.lora_r}"
     run_dir, n = root / base, 1
-    while run_dir.exists():
+    while run_dir.exists() or run_dir.is_symlink():  # a dangling link too: mkdir cannot make a folder there
         n += 1
         run_dir = root / f"{base}-{n}"
     run_dir.mkdir()
@@ -67,6 +67,28 @@ def mark_latest(run_dir: Path) -> None:
         link.write_text(run_dir.name, encoding="utf-8")
 
 
+def latest_target(root: Path) -> Path | None:
+    """The run folder runs/latest names now (None: there is none, or it is not the course's)."""
+    link = Path(root) / "latest"
+    if not (link.is_symlink() or link.is_file()) or not is_ours(link):
+        return None
+    target = resolve_run(link)
+    return target if target.is_dir() else None
+
+
+def point_latest_back(run_dir: Path, previous: Path | None) -> None:
+    """runs/latest names `previous` again (or nothing) where it names `run_dir`: after a run folder is removed."""
+    link = Path(run_dir).parent / "latest"
+    if not (link.is_symlink() or link.is_file()) or not is_ours(link):
+        return
+    if resolve_run(link) != Path(run_dir).resolve():
+        return  # another run took it meanwhile
+    if previous is not None and previous.is_dir():
+        mark_latest(previous)
+    else:
+        link.unlink(missing_ok=True)
+
+
 def is_ours(latest: Path) -> bool:
     """runs/latest may be replaced: absent, a symlink, or a small text file holding just a run's name."""
     if latest.is_symlink() or not latest.exists():
@@ -83,7 +105,7 @@ def is_ours(latest: Path) -> bool:
 def resolve_run(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file() and path.name == "latest":
-        return path.parent / path.read_text(encoding="utf-8").strip()
+        return (path.parent / path.read_text(encoding="utf-8").strip()).resolve()
     return path.resolve()
 
 

@@ -35,9 +35,12 @@ from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
 from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_model
 from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_before_training, keep_good_adapter,
-                                 restore_before_training, split_metrics_at, stop_after_oom)
-from nb_helpers.runs import check_run_name, mark_latest, new_run_dir, read_json, resolve_run, write_jsonl
+                                 restore_before_training, split_metrics_at, stop_after_oom, stopped_outside_training)
+from nb_helpers.runs import (check_run_name, latest_target, mark_latest, new_run_dir, read_json, resolve_run,
+                             runs_root, write_jsonl)
 from nb_helpers.faults.checkpoints import checkpoint_to_resume, staged_checkpoints
+from nb_helpers.faults.resume import (StopIfTrained, TrainingDone, evaluation_missed, keep_adapter_dtypes,
+                                      training_finished)
 from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
 from nb_helpers.faults.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
 from nb_helpers.faults.write_errors import check_writable, stop_cleanly
@@ -59,6 +62,7 @@ class TrainingRun:
     summary: dict = field(default_factory=dict)  # what summary.json adds to the measured keys (nb_helpers.summary)
     resume_dir: Path | None = None
     checkpoint: str | None = None  # the checkpoint a resumed run continues from
+    training_done: bool = False  # that checkpoint is at the last step: only the final scoring and summary are missing
     shape: object = None  # the planner's view of config.json (None for models it cannot read)
     prediction: object = None
     model: object = None
@@ -68,6 +72,7 @@ class TrainingRun:
     base_answers: dict | None = None
     oom_step: int | None = None
     finished: bool = False  # finish_run ran: training this run again would append to a finished run folder
+    previous_latest: Path | None = None  # where runs/latest pointed before this run's folder was made
     world_size: int = 1  # processes training together (accelerate launch); cfg's batch is each one's share
     exit_code: int | None = None  # SIGTERM: finish_run saves what Ctrl-C would, then the process exits with this
 
@@ -93,25 +98,53 @@ class TrainingRun:
 def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: bool = True) -> TrainingRun:
     """Everything that can be wrong with the settings or the data, found before the weights load. `resume_from`
     continues an interrupted run folder from its last checkpoint, with the config it was started with."""
+    resume_dir = resolve_run(resume_from) if resume_from else None
+    try:
+        return prepare_checked(cfg, resume_dir, verbose)
+    except BaseException:  # a bad setting, a stop: a resumed run's folder is not left locked (a notebook kernel lives on)
+        if resume_dir is not None:
+            release_run_lock(resume_dir)
+        raise
+
+
+def resumed_config(resume_dir: Path) -> RunConfig:
+    """The config a run folder was started with, once its summary says there is something left to resume."""
+    if not resume_dir.is_dir():
+        raise ConfigError(f"--resume {resume_dir}: no such run folder; give a folder under runs/ (runs/latest is the "
+                          "newest)")
+    cfg = RunConfig.load(resume_dir / "config.json")
+    try:
+        status = read_json(resume_dir / "summary.json")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{resume_dir / 'summary.json'} cannot be read as JSON ({str(e)[:80]}): it was edited or "
+                          "damaged. Delete it (a resume writes it again) and resume again") from None
+    if isinstance(status, dict) and status.get("status") == "completed":
+        raise ConfigError(f"{resume_dir} completed its training: there is nothing to resume (its adapter and "
+                          "summary would be rewritten). Set RESUME = None (or leave out --resume) to start a "
+                          "new run")
+    return cfg
+
+
+def prepare_checked(cfg: RunConfig, resume_dir: Path | None, verbose: bool) -> TrainingRun:
     import torch
 
     from nb_helpers.preflight import preflight
 
-    resume_dir = resolve_run(resume_from) if resume_from else None
     checkpoint = None
     if resume_dir is not None:
-        cfg = RunConfig.load(resume_dir / "config.json")
-        if read_json(resume_dir / "summary.json").get("status") == "completed":
-            raise ConfigError(f"{resume_dir} completed its training: there is nothing to resume (its adapter and "
-                              "summary would be rewritten). Set RESUME = None (or leave out --resume) to start a "
-                              "new run")
+        cfg = resumed_config(resume_dir)
+        check_writable(cfg, resume_dir)  # before the lock: a read-only run folder cannot hold run.lock either
         take_run_lock(resume_dir)  # before anything loads: a second process resuming this run stops here
         checkpoint = checkpoint_to_resume(resume_dir, set_aside=distributed.is_main())
     cfg = RunConfig.from_dict(cfg.to_dict()).validate()  # the run's own copy: a slider moved later is not trained
     check_run_name(cfg.run_name if resume_dir is None else None)  # a resumed run keeps the folder it has
     check_writable(cfg, resume_dir)
     world = distributed.world_size()
-    if checkpoint is not None and verbose:
+    done = training_finished(checkpoint)
+    if done and verbose:
+        print(f"[run] {checkpoint.name} is this run's last step: training had finished before the stop, so no step "
+              "is trained again; only what is missing runs (the final scoring and the summary)")
+    elif checkpoint is not None and verbose:
         print(resume_note(checkpoint, world))
     cfg = split_over_processes(cfg, world, verbose)  # before anything is sized: auto-fit and the plan are per GPU
     summary: dict = {}  # apply_budget adds the budget, from budget_gib or the card
@@ -128,7 +161,7 @@ def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: 
     train_rows, eval_rows = load_train_eval(cfg, tokenizer)
     summary.update(compute_dtype=resolve_compute_dtype(cfg.compute_dtype), versions=package_versions())
     run = TrainingRun(cfg, choice, tokenizer, train_rows, eval_rows, summary, resume_dir,
-                      str(checkpoint) if checkpoint else None, world_size=world)
+                      str(checkpoint) if checkpoint else None, training_done=done, world_size=world)
     apply_budget(run)
     predict_memory(run, verbose)
     return run
@@ -217,6 +250,7 @@ def open_run_folder(run: TrainingRun, listeners=(), verbose: bool = True) -> Pat
     else:
         run_dir = None
         if main:
+            run.previous_latest = latest_target(runs_root(run.cfg))
             run_dir = new_run_dir(run.cfg, run.choice.name)
             take_run_lock(run_dir)
             saved_config(run).save(run_dir / "config.json", record={"fast_levers": run.summary.get("fast_levers")})
@@ -232,6 +266,9 @@ def open_run_folder(run: TrainingRun, listeners=(), verbose: bool = True) -> Pat
         listeners.append(progress_printer(total, every=max(1, total // 20)))
     run.metrics = MetricsCallback(run.run_dir / "metrics.jsonl", listeners=listeners, write=main,
                                   fields={"world_size": run.world_size, "global_batch": run.global_batch})
+    if run.checkpoint is not None:  # what the first start measured up to the checkpoint: its evaluations included
+        step = int(run.checkpoint.rsplit("-", 1)[1])
+        run.metrics.records.extend(r for r in read_metrics(run.run_dir / "metrics.jsonl") if r["step"] <= step)
     return run.run_dir
 
 
@@ -291,16 +328,40 @@ def guard_training(run: TrainingRun, trainer):
         raise RuntimeError(f"this run is finished ({run.run_dir}): training it again would append to it. To train "
                            "with the sliders' current settings, re-run the notebook from \"Check first, then load\" "
                            "(section 4): that starts a new run folder")
+    resuming = resume_exactly(run, trainer)
     with staged_checkpoints(trainer, run.run_dir):
         try:
             with sigterm_as_interrupt(), stop_cleanly(run, "a checkpoint or a metrics line"):
                 yield
+        except TrainingDone as done:
+            print(f"[run] {done}: no step trained again", flush=True)
         except KeyboardInterrupt as stop:
             run.summary["status"] = "interrupted"
             run.exit_code = EXIT_CODE if isinstance(stop, Terminated) else None
             checkpoint_on_interrupt(trainer, run.run_dir)
         except torch.OutOfMemoryError:
             run.oom_step = trainer.state.global_step
+        finally:
+            for callback in resuming:
+                trainer.remove_callback(callback)
+            trainer.args.eval_on_start = False
+
+
+def resume_exactly(run: TrainingRun, trainer) -> list:
+    """A resumed run continues as the uninterrupted one would have (nb_helpers.faults.resume): the adapter loaded in
+    the dtypes it trains in, no step past the last, and an evaluation a stop cut short done first. Returns the
+    callbacks it added, for guard_training to take off again."""
+    if run.checkpoint is None:
+        return []
+    keep_adapter_dtypes(trainer.model)
+    callbacks = [StopIfTrained()]
+    for callback in callbacks:
+        trainer.add_callback(callback)
+    if evaluation_missed(run):
+        print(f"[run] the evaluation at step {run.checkpoint.rsplit('-', 1)[1]} was cut short by the stop: it runs "
+              "first", flush=True)
+        trainer.args.eval_on_start = True
+    return callbacks
 
 
 def finish_run(run: TrainingRun, trainer, verbose: bool = True) -> Path:
@@ -375,8 +436,24 @@ def save_plots(run_dir: Path) -> None:
 def train(cfg: RunConfig, listeners=(), verbose: bool = True, resume_from: str | Path | None = None) -> Path:
     """Run one QLoRA fine-tune and return its run folder: the steps above, in order, as notebook 03 calls them.
     `resume_from` continues an interrupted run folder from its last checkpoint: same data order, optimizer and
-    scheduler state, RNG state."""
+    scheduler state, RNG state. One SIGTERM handler covers the whole run, as Ctrl-C does: a stop outside
+    trainer.train() (loading, scoring) leaves the folder marked "interrupted" (or removed, before its first step) and
+    unlocked; then Ctrl-C raises KeyboardInterrupt again and SIGTERM exits with 143."""
+    steps: list[TrainingRun] = []
+    with sigterm_as_interrupt():
+        try:
+            return train_steps(cfg, listeners, verbose, resume_from, steps)
+        except KeyboardInterrupt as stop:
+            print(f"\n{stopped_outside_training(steps[0] if steps else None)}", flush=True)
+            if isinstance(stop, Terminated):
+                raise SystemExit(EXIT_CODE) from None
+            raise
+
+
+def train_steps(cfg: RunConfig, listeners, verbose: bool, resume_from, steps: list) -> Path:
+    """train()'s steps; `steps` gets the TrainingRun as soon as there is one (for a stop outside training)."""
     run = prepare_run(cfg, resume_from, verbose)
+    steps.append(run)
     load_for_training(run, verbose)
     open_run_folder(run, listeners, verbose)
     trainer = build_trainer(run)

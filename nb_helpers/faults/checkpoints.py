@@ -6,9 +6,12 @@ While trainer.train() runs (training.guard_training), the Trainer writes each ch
 (its own output_dir, a public argument, pointed there), and PublishCheckpoints moves it to checkpoints/checkpoint-N
 once its files are all there, then keeps the newest save_total_limit. A resume takes the newest complete one, says
 which it skipped and why, and moves the incomplete ones to checkpoints/incomplete/ (kept, never read again).
-Completeness is read from the files the Trainer writes (transformers 5): trainer_state.json at the folder's step, the
-adapter as safetensors, and optimizer, scheduler and RNG state, each a whole torch zip archive (checked without
-unpickling anything).
+Completeness is read from the files the Trainer writes (transformers 5), each read whole as a resume reads it:
+trainer_state.json at the folder's step, the adapter as safetensors (every tensor loaded: the header's sizes against
+the file), and optimizer, scheduler and RNG state, each a torch zip archive whose every record is read and checked
+against its CRC (zipfile, no unpickling). Reading only the zip directory let 4 KiB of garbage inside optimizer.pt pass,
+and every resume then failed after the weights loaded ("PytorchStreamReader failed reading file data/416"); now that
+checkpoint is skipped, named with the damaged record, and the resume continues from the one before.
 """
 
 from __future__ import annotations
@@ -32,25 +35,47 @@ TORCH_ARCHIVES = ("optimizer.pt", "scheduler.pt")
 
 def checkpoint_problem(folder: Path) -> str | None:
     """None when `folder` holds a whole checkpoint, else what is missing or broken, in a few words."""
-    from safetensors import safe_open
-
     step = int(folder.name[len(PREFIX):])
     try:
         state = json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "trainer_state.json is missing or cut short"
-    if state.get("global_step") != step:
-        return f"trainer_state.json is at step {state.get('global_step')}, not {step}"
-    try:
-        with safe_open(folder / "adapter_model.safetensors", "pt") as weights:
-            weights.keys()
-    except Exception:  # noqa: BLE001 - safetensors raises its own error types for a cut-short file
-        return "adapter_model.safetensors is missing or cut short"
+    if not isinstance(state, dict) or state.get("global_step") != step:
+        return f"trainer_state.json is at step {state.get('global_step') if isinstance(state, dict) else None}, not {step}"
+    if problem := safetensors_problem(folder / "adapter_model.safetensors"):
+        return problem
     rng = sorted(folder.glob("rng_state*.pth"))
     for name in (*TORCH_ARCHIVES, *(p.name for p in rng)):
-        if not zipfile.is_zipfile(folder / name):  # torch.save writes a zip; a cut-short one has no directory
-            return f"{name} is missing or cut short"
+        if problem := archive_problem(folder / name):
+            return problem
     return None if rng else "rng_state.pth is missing"
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Every tensor of a safetensors file loaded (a few MB for an adapter): safetensors checks the header and each
+    tensor's bytes against the file's size. Tensors carry no checksum, so bytes changed inside one go unseen."""
+    from safetensors.torch import load_file
+
+    try:
+        load_file(path)
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a cut-short or damaged file
+        return f"{path.name} is cut short or damaged ({str(e).splitlines()[0][:120]})"
+    return None
+
+
+def archive_problem(path: Path) -> str | None:
+    """A torch.save file read as the zip archive it is: every record read in full and checked against the CRC the
+    writer stored (zipfile's testzip reads 1 MiB at a time; nothing is unpickled)."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:  # no directory (cut short), a bad record header
+        return f"{path.name} is cut short or damaged ({str(e)[:120] or type(e).__name__})"
+    return f"{path.name} is damaged: its record {bad} fails its CRC check" if bad else None
 
 
 def checkpoint_folders(folder: Path) -> list[Path]:
