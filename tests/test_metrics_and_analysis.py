@@ -92,3 +92,24 @@ def test_a_run_still_training_is_not_called_older_than_the_planner():
     assert "still training" in predicted_vs_measured_report({})
     assert "before the planner existed" not in predicted_vs_measured_report({})
     assert "could not read" in predicted_vs_measured_report({"status": "completed"})
+
+
+def test_a_plot_of_one_step_has_whole_number_ticks_and_a_slow_run_redraws_between_every_steps(monkeypatch):
+    """After an interrupt at step 1 the live plot showed fractional step ticks, and with `every=5` it stayed at
+    step 1 while slow CPU steps went on."""
+    import time
+
+    from nb_helpers.ui import plots
+
+    fig = plots.plot_training({"one step": [{"step": 1, "loss": 0.9, "step_s": 6.0}]})
+    ticks = [t for t in fig.axes[0].get_xticks() if fig.axes[0].get_xlim()[0] <= t <= fig.axes[0].get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda fig, display_id=None: shown.append(fig) or
+                        type("Handle", (), {"update": lambda self, f: shown.append(f)})())
+    live = plots.LivePlot(every=5)
+    clock = iter(range(0, 1000, 30))  # each step 30 s apart: past REDRAW_S
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(clock)))
+    for step_number in (1, 2, 3):
+        live({"step": step_number, "loss": 1.0 / step_number, "step_s": 30.0})
+    assert len(shown) == 3  # every slow step redrawn, though `every` is 5

@@ -43,6 +43,10 @@ def plot_training(runs: dict[str, list[dict]], vram_limit_gib: float | None = No
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step", fontsize=9)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        low, high = ax.get_xlim()
+        if drawn and high - low < 2:  # one step drawn (a run just started, or interrupted): whole-number ticks still
+            middle = round((low + high) / 2)
+            ax.set_xlim(middle - 1, middle + 1)
         ax.grid(alpha=0.3)
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
@@ -97,16 +101,22 @@ class LivePlot:
     loss measured before training) wait for it, so the figure appears in the cell that trains, not in an earlier
     one the learner has scrolled past."""
 
+    REDRAW_S = 20.0  # a slow run redraws at least this often: an interrupt leaves the figure at most this stale
+
     def __init__(self, name: str = "this run", every: int = 1):
-        self.name, self.every, self.records, self._handle = name, every, [], None
+        self.name, self.every, self.records, self._handle, self._drawn_at = name, every, [], None, 0.0
 
     def __call__(self, record: dict) -> None:
+        import time
+
         from IPython.display import display
 
         self.records.append(record)
         steps = [r for r in self.records if "loss" in r]
-        if not steps or ("loss" in record and record["step"] % self.every and len(steps) > 1):
+        due = time.monotonic() - self._drawn_at >= self.REDRAW_S
+        if not steps or ("loss" in record and record["step"] % self.every and len(steps) > 1 and not due):
             return
+        self._drawn_at = time.monotonic()
         fig = plot_training({self.name: self.records}, figsize=(9, 5))
         fig.caption = self.caption()
         if self._handle is None:

@@ -40,13 +40,14 @@ PREFERENCE_FIELDS = ("dpo_beta", "lora_r", "dpo_learning_rate", "dpo_max_steps",
 RECIPE_ALPHA_PER_RANK = 2  # the reference recipe's alpha = 2r: the update's scale alpha/r stays 2 whatever r is
 # Wide enough for the longest label and a slider track a mouse can aim at (the defaults cut labels, ~54 px tracks)
 LABEL_WIDTH, CONTROL_WIDTH = "190px", "560px"
+FIT_WIDTH = "calc(100% - 8px)"  # a narrower window (the file browser open) shrinks a control; 8 px: its margins
 
 
 def _make(kind, options, description, value):
     import ipywidgets as w
 
     style = {"description_width": LABEL_WIDTH}
-    layout = w.Layout(width=CONTROL_WIDTH)
+    layout = w.Layout(width=FIT_WIDTH, max_width=CONTROL_WIDTH)  # narrower windows: shrink, never clip
     common = dict(description=description, style=style, layout=layout)
     if kind == "select":
         options = [(f"{v:g}", v) for v in sorted(set(options) | {value})]  # (label, value): values stay exact
@@ -175,7 +176,7 @@ def _controls(cfg: RunConfig, fields, targets) -> dict[str, object]:
         options = list(targets) + [t for t in cfg.target_modules if t not in targets]
         controls["target_modules"] = w.SelectMultiple(
             options=options, value=tuple(cfg.target_modules), rows=min(len(options), 8), description="targets",
-            style={"description_width": LABEL_WIDTH}, layout=w.Layout(width=CONTROL_WIDTH))
+            style={"description_width": LABEL_WIDTH}, layout=w.Layout(width=FIT_WIDTH, max_width=CONTROL_WIDTH))
     return controls
 
 

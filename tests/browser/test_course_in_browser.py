@@ -86,6 +86,21 @@ def assert_controls_render(nb, cell, labels) -> None:
     assert nb.errors() == []
 
 
+def assert_fits_a_narrow_window(page, cell, width: int = 900) -> None:
+    """In a narrow window (900 px, the file browser open) nothing in the cell's output reaches past the cell: the
+    panels were reported clipped on the right at 1,000 px. Then the window goes back to its size."""
+    size = page.viewport_size
+    page.set_viewport_size({"width": width, "height": size["height"]})
+    try:
+        page.wait_for_timeout(500)  # JupyterLab lays the panel out again
+        edge = cell.locator(".jp-OutputArea").first.evaluate("e => e.getBoundingClientRect().right")
+        for widget in cell.locator(".jp-OutputArea .widget-inline-hbox, .jp-OutputArea .widget-html").all():
+            right, text = widget.evaluate("e => [e.getBoundingClientRect().right, e.textContent.slice(0, 40)]")
+            assert right <= edge + 1, f"at {width} px, {text!r} ends at {right:.0f} px, past the cell's {edge:.0f} px"
+    finally:
+        page.set_viewport_size(size)
+
+
 def assert_readable_layout(cell) -> None:
     """No label cut off, and slider tracks wide enough to aim at (they were ~54 px, labels ended in '…')."""
     for label in cell.locator("label.widget-label").all():
@@ -104,6 +119,7 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
     expect(cell.locator(".widget-html", has_text="predicted peak")).to_be_visible()
     assert_controls_render(nb, cell, ["LoRA rank r", "LoRA alpha", "LoRA dropout", "targets", "effective batch"])
     assert_readable_layout(cell)
+    assert_fits_a_narrow_window(page, cell)
 
     rank, alpha = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha")
     assert (readout(rank), readout(alpha)) == ("8", "16")
