@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from nb_helpers.config import PROJECT_ROOT, ConfigError, RunConfig, apply_sets, default_config
+from nb_helpers.config import PROJECT_ROOT, ConfigError, RunConfig, apply_sets, check_environment, default_config
 from nb_helpers.plan_command import add_plan
 
 
@@ -86,6 +86,7 @@ def cmd_export(args) -> int:
         run = load_run(args.run)
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
+    check_export_folder(run.path)
     cfg = RunConfig.from_dict(run.config)
     start = time.perf_counter()
     _, merged_dir = merge_adapter(run.path, run.path / "merged")
@@ -99,6 +100,25 @@ def cmd_export(args) -> int:
         print(f"error: {r.path.name} answers differently from the merged model on {r.total - r.agree} prompt(s)",
               file=sys.stderr)
     return 1 if wrong else 0
+
+
+def check_export_folder(run_dir: Path) -> None:
+    """Before anything is merged: export writes merged/ and gguf/ into the run folder, so it must be writable and
+    neither may be a file (a `merged` file let export say it had saved the merged model, then fail)."""
+    import os
+    import tempfile
+
+    for name in ("merged", "gguf"):
+        if (run_dir / name).exists() and not (run_dir / name).is_dir():
+            raise ConfigError(f"{run_dir / name} is a file: export writes the {name} folder there. Move or delete that "
+                              "file, then export again")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".write-check-", dir=run_dir)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--run {run_dir}: export cannot write into the run folder ({e.strerror or e}); make it "
+                          "writable, or copy the run folder to a disk you can write and export the copy") from None
 
 
 def cmd_course(args) -> int:
@@ -261,7 +281,11 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        check_environment()  # NB_CACHE_DIR, NB_FASTPATH, WORLD_SIZE, ...: one line each, before anything loads
         return args.func(args)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a run's folder is already marked and unlocked (training.train)
+        print("stopped (Ctrl-C)", file=sys.stderr)
+        return 130

@@ -51,6 +51,57 @@ def read_knobs(path: str | Path, what: str, fix: str) -> dict:
     return data
 
 
+# The environment variables the package reads, each checked once with a one-line message (a bad one was a traceback:
+# WORLD_SIZE=abc, NB_CACHE_DIR=/dev/null/x, or NB_FASTPATH=xyz once the fast path was asked for).
+LAUNCHER_VARS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}  # set by accelerate launch / torchrun: the least each takes
+SWITCH_WORDS = {"1", "0", "true", "false", "yes", "no", "on", "off", ""}
+
+
+def environment_problems(environ=None) -> list[str]:
+    """What is wrong with the package's environment variables: each "NAME=value: problem; fix"."""
+    environ = os.environ if environ is None else environ
+    problems = []
+    for name, least in LAUNCHER_VARS.items():
+        value = environ.get(name)
+        if value is not None and not (value.strip().isdigit() and int(value) >= least):
+            problems.append(f"{name}={value[:40]!r}: must be a whole number >= {least} (accelerate launch and torchrun "
+                            f"set it); unset it to train in one process (`unset {name}`)")
+    problems += fastpath_problems(environ.get("NB_FASTPATH", ""))
+    if cache := environ.get("NB_CACHE_DIR"):
+        problems += [f"NB_CACHE_DIR={cache[:80]!r}: {why}; point it at a folder you can write, or unset it (the "
+                     "default is .cache/ in the project)" for why in [folder_problem(Path(cache).expanduser())] if why]
+    return problems
+
+
+def fastpath_problems(value: str) -> list[str]:
+    from nb_helpers.fast.options import FastOptions
+
+    known = [f.name for f in dataclasses.fields(FastOptions)]
+    problems = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        lever, _, switch = item.partition("=")
+        if lever.strip() not in known or switch.strip().lower() not in SWITCH_WORDS:
+            problems.append(f"NB_FASTPATH={value[:80]!r}: {item[:40]!r} is not LEVER=0 or LEVER=1 with a lever of "
+                            f"{', '.join(known)}; e.g. NB_FASTPATH=\"kernels=0\", or unset it")
+    return problems
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why `path` cannot be (or become) a folder: a file on the way, or a place with no permission to write."""
+    for part in [path, *path.parents]:
+        if part.exists():
+            if not part.is_dir():
+                return f"{part} is a file, not a folder"
+            return None if os.access(part, os.W_OK) else f"{part} cannot be written"
+    return None
+
+
+def check_environment() -> None:
+    if problems := environment_problems():
+        raise ConfigError("environment: " + "; ".join(problems) if len(problems) == 1 else
+                          "environment:\n  - " + "\n  - ".join(problems))
+
+
 def ci_mode() -> bool:
     return os.environ.get(CI_ENV_VAR, "").lower() in {"1", "true", "yes"}
 
@@ -213,38 +264,48 @@ def card_known(name: str) -> bool:
     return True
 
 
+# Every number has an upper bound too, far above what a 4 GB card could ever run: lora_r=1000000000 passed and failed
+# after the model loaded ("can't allocate 2304000000000 bytes").
+MAX_RANK, MAX_STEPS, MAX_LENGTH, MAX_ROWS = 1024, 1_000_000, 131_072, 100_000_000
+
 # knob -> (what a value of the right type must satisfy, the problem and fix when it does not)
 RANGES = {
-    "lora_r": (lambda v: v >= 1, "the LoRA rank must be >= 1; try 8 (the reference) or 16"),
-    "lora_alpha": (lambda v: v > 0, "must be > 0; use 2 * lora_r"),
+    "lora_r": (lambda v: 1 <= v <= MAX_RANK, f"the LoRA rank must be in 1 .. {MAX_RANK} (far more than a 4 GB card "
+                                           "can train already); try 8 (the reference) or 16"),
+    "lora_alpha": (lambda v: 0 < v <= 65536, "must be > 0 (and at most 65536); use 2 * lora_r"),
     "lora_dropout": (lambda v: 0 <= v < 1, "must be in [0, 1); try 0.05"),
     "target_modules": (lambda v: v and all(t.strip() for t in v),
                        'target_modules is empty, or names an empty layer: LoRA needs at least one layer, e.g. '
                        '["q_proj", "v_proj"]'),
     "quant_type": (lambda v: v in {"nf4", "fp4"}, "choose 'nf4' (recommended) or 'fp4'"),
     "compute_dtype": (COMPUTE_DTYPES.__contains__, f"choose one of {sorted(COMPUTE_DTYPES)}"),
-    "micro_batch_size": (lambda v: v >= 1, "must be >= 1 sequence per forward pass"),
-    "grad_accum": (lambda v: v >= 1, "must be >= 1 micro-batch per optimizer step"),
-    "learning_rate": (lambda v: v > 0, "must be > 0; try 2e-4"),
+    "micro_batch_size": (lambda v: 1 <= v <= 1024, "must be in 1 .. 1024 sequences per forward pass"),
+    "grad_accum": (lambda v: 1 <= v <= 4096, "must be in 1 .. 4096 micro-batches per optimizer step"),
+    "learning_rate": (lambda v: 0 < v <= 1, "must be > 0 and at most 1; try 2e-4"),
     "lr_scheduler_type": (scheduler_known, "not a transformers scheduler; try 'linear' (the reference), 'cosine' or "
                                            "'constant'"),
-    "warmup_steps": (lambda v: v >= 0, "must be >= 0 optimizer steps (0: no warmup)"),
-    "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 turns clipping off); the recipe clips at 0.3"),
+    "warmup_steps": (lambda v: 0 <= v <= MAX_STEPS, f"must be >= 0 (and at most {MAX_STEPS:,}) optimizer steps (0: "
+                                                    "no warmup)"),
+    "max_grad_norm": (lambda v: 0 <= v <= 1e6, "must be >= 0 (0 turns clipping off); the recipe clips at 0.3"),
     "optim": (OPTIMIZERS.__contains__, f"choose one of {sorted(OPTIMIZERS)}"),
-    "num_train_epochs": (lambda v: v >= 0, "must be >= 0; try 3"),
-    "no_recompute_layers": (lambda v: v >= 0, "must be >= 0 layers (0: every checkpointed layer recomputes)"),
-    "max_length": (lambda v: v >= 16, "too short to hold a prompt and an answer; try 512"),
+    "num_train_epochs": (lambda v: 0 <= v <= 1000, "must be in 0 .. 1000; try 3"),
+    "max_steps": (lambda v: v == -1 or 1 <= v <= MAX_STEPS, f"must be -1 (train num_train_epochs instead) or 1 .. "
+                                                           f"{MAX_STEPS:,} optimizer steps; try 60 for a quick run"),
+    "no_recompute_layers": (lambda v: 0 <= v <= 1024, "must be in 0 .. 1024 layers (0: every checkpointed layer "
+                                                      "recomputes)"),
+    "max_length": (lambda v: 16 <= v <= MAX_LENGTH, f"must be in 16 .. {MAX_LENGTH:,} tokens (16 holds a prompt and an "
+                                                    "answer at the least); try 512"),
     "seed": (lambda v: 0 <= v < 2**32, "must be in 0 .. 2**32 - 1 (numpy's seeds); try 42"),
-    "save_steps": (lambda v: v >= 1, "must be >= 1 optimizer step"),
-    "eval_steps": (lambda v: v >= 0, "must be >= 0 (0 = eval loss before and after training only)"),
-    "logging_steps": (lambda v: v >= 1, "must be >= 1 (a log line every N optimizer steps); try 1"),
-    "max_train_samples": (lambda v: v >= 1, "must be >= 1 row, or None for every row"),
-    "max_eval_samples": (lambda v: v >= 1, "must be >= 1 row, or None for every row"),
-    "task_eval_samples": (lambda v: v >= 0, "must be >= 0 (0 skips the base-vs-tuned comparison)"),
-    "max_new_tokens": (lambda v: v >= 1, "must be >= 1 token per answer; try 80"),
-    "budget_gib": (lambda v: v > 0, "must be > 0 GiB, or None for no cap"),
+    "save_steps": (lambda v: 1 <= v <= MAX_STEPS, f"must be in 1 .. {MAX_STEPS:,} optimizer steps"),
+    "eval_steps": (lambda v: 0 <= v <= MAX_STEPS, "must be >= 0 (0 = eval loss before and after training only)"),
+    "logging_steps": (lambda v: 1 <= v <= MAX_STEPS, "must be >= 1 (a log line every N optimizer steps); try 1"),
+    "max_train_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be in 1 .. {MAX_ROWS:,} rows, or None for every row"),
+    "max_eval_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be in 1 .. {MAX_ROWS:,} rows, or None for every row"),
+    "task_eval_samples": (lambda v: 0 <= v <= MAX_ROWS, "must be >= 0 (0 skips the base-vs-tuned comparison)"),
+    "max_new_tokens": (lambda v: 1 <= v <= MAX_LENGTH, f"must be in 1 .. {MAX_LENGTH:,} tokens per answer; try 80"),
+    "budget_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for no cap"),
     "card": (card_known, f"not a card preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')"),
-    "vram_warn_gib": (lambda v: v > 0, "must be > 0 GiB, or None for the card's budget"),
+    "vram_warn_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for the card's budget"),
 }
 
 
@@ -267,10 +328,24 @@ def is_of_type(value, kind) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and finite(value)
     if typing.get_origin(kind) is list:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return True
+
+
+def finite(value) -> bool:
+    """math.isfinite, and False for an int too large for a float (a 401-digit number: OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value) -> str:
+    """repr(value), cut to 60 characters: a 5,000-digit number is not repeated back whole."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else f"<a {len(str(abs(value)))}-digit number>"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def type_problem(name: str, value, kind, optional: bool, default) -> str | None:
@@ -279,18 +354,18 @@ def type_problem(name: str, value, kind, optional: bool, default) -> str | None:
     if isinstance(value, str) and typing.get_origin(kind) is list:  # never split into letters
         layers = json.dumps([t.strip() for t in value.split(",") if t.strip()] or ["q_proj"])
         return f"{name}={value!r}: a lone string, not a list of layer names; write {layers}"
-    if kind is float and isinstance(value, float):
-        return f"{name}={value!r}: not a finite number; e.g. {name}={json.dumps(default)}"
+    if kind is float and isinstance(value, (float, int)):
+        return f"{name}={shown(value)}: not a finite number; e.g. {name}={json.dumps(default)}"
     expected = EXPECTED.get(kind, "a list of strings") + (" or None" if optional else "")
     example = "" if default is None else f"; e.g. {name}={json.dumps(default)}"
-    return f"{name}={value!r} ({type(value).__name__}): must be {expected}{example}"
+    return f"{name}={shown(value)} ({type(value).__name__}): must be {expected}{example}"
 
 
 def range_problem(name: str, value) -> str | None:
     check, fix = RANGES.get(name, (None, ""))
     if check is None or value is None or check(value):
         return None
-    return fix if fix.startswith(name) else f"{name}={value!r}: {fix}"  # "target_modules is empty" says the value
+    return fix if fix.startswith(name) else f"{name}={shown(value)}: {fix}"  # "target_modules is empty" says it
 
 
 def field_default(f: dataclasses.Field):
@@ -373,11 +448,14 @@ def default_config(**overrides) -> RunConfig:
     return cfg.validate()
 
 
-def parse_value(text: str):
+def parse_value(text: str, key: str = "VALUE"):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text  # bare strings: --set model=path/to/model
+    except ValueError:  # an integer of over 4,300 digits: Python refuses to read it (int_max_str_digits)
+        raise ConfigError(f"--set {key}=<{len(text)} characters>: a number too long to read; give a value in the "
+                          f"knob's range (python -m nb_helpers config shows each default)") from None
 
 
 def apply_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
@@ -387,5 +465,5 @@ def apply_sets(cfg: RunConfig, sets: list[str]) -> RunConfig:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: use KEY=VALUE, e.g. --set lora_r=16")
         key, value = item.split("=", 1)
-        changes[key.strip()] = parse_value(value)
+        changes[key.strip()] = parse_value(value, key.strip())
     return RunConfig.from_dict({**cfg.to_dict(), **changes}).validate()

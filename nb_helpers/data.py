@@ -17,6 +17,8 @@ problem as FILE:LINE: problem — fix, and never raises on bad content.
 from __future__ import annotations
 
 import codecs
+import errno
+import os
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +52,36 @@ def split_lines(raw: bytes) -> list[bytes]:
     return raw.removeprefix(codecs.BOM_UTF8).split(b"\n")
 
 
+# One 50 MB line took 147 s and 8 GiB of RAM to check (the whole file read at once, then the line parsed, normalised
+# and tokenized). Lines are now read one at a time, and one longer than this is skipped unread in 1 MiB pieces: no
+# max_length a 4 GB card runs holds a million bytes of text (about 250,000 tokens).
+MAX_LINE_BYTES = 1 << 20
+
+
+def read_lines(handle):
+    """(line number, the line's bytes without its end, or None when it is longer than MAX_LINE_BYTES, its length)
+    for each line of a binary file, reading at most MAX_LINE_BYTES + 1 bytes at a time."""
+    number = 0
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        number += 1
+        if number == 1:
+            line = line.removeprefix(codecs.BOM_UTF8)
+        size = len(line)
+        if size > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while piece := handle.readline(MAX_LINE_BYTES):
+                size += len(piece)
+                if piece.endswith(b"\n"):
+                    break
+            yield number, None, size
+            continue
+        yield number, line.removesuffix(b"\n"), size
+
+
+def too_long(size: int) -> RowProblem:
+    return RowProblem(f"{size / 1e6:.1f} MB on one line, more than any row can train on (1 MiB at most; max_length "
+                      "cuts every row to its first tokens)", "split it into rows of one example each, or remove it")
+
+
 def parse_line(raw_line: bytes):
     """The line's JSON value, or RowProblem."""
     try:
@@ -64,6 +96,9 @@ def parse_line(raw_line: bytes):
     except RecursionError:
         raise RowProblem("brackets nested too deeply to read", "fix or remove this line (a row is one object of "
                          "strings and message lists)") from None
+    except ValueError as e:  # an integer of over 4,300 digits: Python refuses to read it (int_max_str_digits)
+        raise RowProblem(f"a number too long to read ({str(e).split(':')[0]})", "fix or remove this line (a row "
+                         "holds strings, not numbers)") from None
     if "\\u" in line:  # surrogates come only from \u escapes: the UTF-8 decoder refuses encoded ones
         refuse_lone_surrogates(record)
     return record
@@ -270,19 +305,32 @@ def all_dropped_problem(source: str, lengths: list[tuple[int, int]], max_length:
 def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=None,
                 max_length: int | None = None) -> DataReport:
     """Check every line of a JSONL dataset. Never raises for bad content: problems go into the report."""
+    if not isinstance(path, (str, Path)):
+        raise DataError(f"check_jsonl({path!r}): give the path of a JSONL file (a str or pathlib.Path), not a "
+                        f"{type(path).__name__}")
     path = Path(path)
     report = DataReport(str(path))
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as handle:
+            check_lines(read_lines(handle), report, completion_only_loss, tokenizer, max_length)
     except (FileNotFoundError, IsADirectoryError, PermissionError, OSError) as e:
         report.unreadable = f"{type(e).__name__}: {e.strerror or e} — check the path (train_file/eval_file)"
         return report
+    if not report.rows and not report.errors:
+        report.add(None, "error", "no rows (the file is empty)", "add at least one JSON line")
+    return report
+
+
+def check_lines(lines, report: DataReport, completion_only_loss: bool, tokenizer, max_length: int | None) -> None:
+    """check_jsonl's work on (number, line, size) tuples: each problem into `report`, each usable row too."""
     seen: dict[str, int] = {}
     first_kind: tuple[str, int] | None = None
-    for number, raw_line in enumerate(split_lines(raw), start=1):
-        if not raw_line.strip():
+    for number, raw_line, size in lines:
+        if raw_line is not None and not raw_line.strip():
             continue
         try:
+            if raw_line is None:
+                raise too_long(size)
             row = normalize_row(parse_line(raw_line), completion_only_loss)
         except RowProblem as p:
             report.add(number, "error", p.problem, p.fix)
@@ -307,9 +355,6 @@ def check_jsonl(path: str | Path, completion_only_loss: bool = True, tokenizer=N
                 report.add(number, "warning", *warning)
         report.rows.append(row)
         report.lines.append(number)
-    if not report.rows and not report.errors:
-        report.add(None, "error", "no rows (the file is empty)", "add at least one JSON line")
-    return report
 
 
 def longest_row_tokens(rows: list[dict], tokenizer) -> int:
@@ -323,7 +368,14 @@ def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=N
     before any model loads, unless cfg.skip_invalid drops the bad rows (their line numbers are printed)."""
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
         raise ConfigError(f"load_rows(limit={limit!r}): give a whole number of rows, 0 or more, or None for all")
+    if not isinstance(source, (str, Path)) or not isinstance(cfg, RunConfig):
+        raise ConfigError(f"load_rows({source!r}, {type(cfg).__name__}): give a file path or Hub dataset name (str) "
+                          "and a RunConfig, e.g. load_rows('data/eval.jsonl', default_config())")
+    source = str(source)
     path = cfg.resolve_path(source)
+    if path.is_symlink() and not path.exists():  # a loop, or a target that is gone: never a Hub name nor a typo
+        raise DataError(f"{source}: a symbolic link that leads to no file ({link_problem(path)}); point it at the "
+                        "JSONL file, or give the file's own path")
     if path.suffix in {".jsonl", ".json"} or path.exists():
         report = check_jsonl(path, cfg.completion_only_loss, tokenizer, cfg.max_length)
         if report.unreadable:
@@ -349,6 +401,17 @@ def load_rows(source: str, cfg: RunConfig, limit: int | None = None, tokenizer=N
     else:
         rows = hub_rows(source, cfg)
     return rows[:limit] if limit else rows
+
+
+def link_problem(path: Path) -> str:
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11 reports a loop so
+        return "it loops back on itself"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "it loops back on itself"
+    return f"it points at {os.readlink(path)}, which does not exist"
 
 
 def hub_rows(source: str, cfg: RunConfig) -> list[dict]:

@@ -103,6 +103,9 @@ def is_ours(latest: Path) -> bool:
 
 
 def resolve_run(path: str | Path) -> Path:
+    if not isinstance(path, (str, Path)):
+        raise ConfigError(f"{path!r} ({type(path).__name__}) is not a run folder: give its path as a str or "
+                          "pathlib.Path, e.g. 'runs/latest'")
     path = Path(path)
     if path.is_file() and path.name == "latest":
         return (path.parent / path.read_text(encoding="utf-8").strip()).resolve()
@@ -152,6 +155,8 @@ def read_json(path: Path) -> dict:
 
 def list_runs(root: str | Path) -> list[Path]:
     """Run folders under root, oldest first (names start with a timestamp unless you named them)."""
+    if not isinstance(root, (str, Path)):
+        raise ConfigError(f"list_runs({root!r}): give the runs folder as a str or pathlib.Path, e.g. 'runs'")
     root = Path(root)
     if not root.exists():
         return []

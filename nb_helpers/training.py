@@ -25,7 +25,7 @@ from pathlib import Path
 
 from nb_helpers import distributed, fast
 from nb_helpers.autofit import fit_to_budget, keep_graphs_within_budget
-from nb_helpers.config import ConfigError, RunConfig
+from nb_helpers.config import ConfigError, RunConfig, check_environment
 from nb_helpers.data import load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
 from nb_helpers.plan.dtypes import resolve_compute_dtype
@@ -98,6 +98,9 @@ class TrainingRun:
 def prepare_run(cfg: RunConfig, resume_from: str | Path | None = None, verbose: bool = True) -> TrainingRun:
     """Everything that can be wrong with the settings or the data, found before the weights load. `resume_from`
     continues an interrupted run folder from its last checkpoint, with the config it was started with."""
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(f"prepare_run/train({type(cfg).__name__}): give a RunConfig, e.g. default_config() or "
+                          "RunConfig.load('config.json')")
     resume_dir = resolve_run(resume_from) if resume_from else None
     try:
         return prepare_checked(cfg, resume_dir, verbose)
@@ -130,6 +133,7 @@ def prepare_checked(cfg: RunConfig, resume_dir: Path | None, verbose: bool) -> T
 
     from nb_helpers.preflight import preflight
 
+    check_environment()
     checkpoint = None
     if resume_dir is not None:
         cfg = resumed_config(resume_dir)
