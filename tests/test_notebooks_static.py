@@ -15,7 +15,8 @@ NOTEBOOKS = sorted((PROJECT_ROOT / "notebooks").glob("*.ipynb"))
 def test_the_course_is_complete_and_ordered():
     names = [p.name for p in NOTEBOOKS]
     assert names == ["00_environment_check.ipynb", "01_load_4bit.ipynb", "02_attach_lora.ipynb", "03_train.ipynb",
-                     "04_metrics_analysis.ipynb", "05_try_the_model.ipynb", "06_going_faster.ipynb"]
+                     "04_metrics_analysis.ipynb", "05_try_the_model.ipynb", "06_going_faster.ipynb",
+                     "07_preference_tuning.ipynb"]
     assert all(re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", n) for n in names)
 
 
@@ -50,3 +51,29 @@ def test_notebook_is_clean_valid_and_follows_the_skeleton(path):
         assert len(run) <= 2, f"cells {run}: more than two code cells in a row; say why in markdown between them"
     assert nb.cells[0].cell_type == "markdown"
     assert json.loads(path.read_text())["metadata"].get("widgets") is None
+
+
+PROSE_WORDS_MAX = 3000  # a notebook is a lesson, not a log: past this, split it or cut it
+WORD = re.compile(r"\S*[^\W_]\S*")  # a run of non-space holding a letter or digit: "-", "##", "|" and "×" are not words
+
+
+def prose_words(nb) -> int:
+    """Words of prose: the markdown cells' words (code, its comments and outputs not counted; markdown's own marks,
+    a bullet's "-", a heading's "##", a table's "|", are not words)."""
+    return sum(len(WORD.findall(cell.source)) for cell in nb.cells if cell.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_prose_is_at_most_3000_words(path):
+    import nbformat
+
+    words = prose_words(nbformat.read(path, as_version=4))
+    assert words <= PROSE_WORDS_MAX, f"{path.name}: {words:,} words of markdown, more than {PROSE_WORDS_MAX:,}"
+
+
+def test_prose_words_count_markdown_only():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("## 1. Setup\n\n- three `more` words, 8 × 1"),
+                                         nbformat.v4.new_code_cell("x = 1  # a comment of many words here")])
+    assert prose_words(nb) == 7  # 1. Setup three `more` words, 8 1
