@@ -132,7 +132,7 @@ LEVERS = {
     "offload": ("activation checkpoints in pinned CPU RAM, copied on a side stream (auto-fit takes it where it buys "
                 "a bigger micro-batch)", "8 x 1 fits at 8 x 2048: 32,582 against 26,789 tokens/s at 4 x 2"),
     "direct_optim": ("bitsandbytes' AdamW kernels called directly, no device sync per adapter tensor",
-                     "44,448 against 38,693 tokens/s at 8 x 2048 in one call, within noise in the next"),
+                     "44,448 against 38,693 tokens/s at 8 x 2048 in one run, within noise in a second"),
     "pad_lengths": ("batches padded to a multiple of 64 tokens, so cuDNN plans its attention once per length",
                     "56,327 against 47,469 tokens/s at 8 x 2048"),
     "dead_tail": ("the recompute under gradient checkpointing skips the one product its backward never reads",
