@@ -35,7 +35,8 @@ from nb_helpers.plan.memory import record_nvml_baseline
 from nb_helpers.metrics import MetricsCallback, read_metrics
 from nb_helpers.models import ModelChoice, load_4bit, load_tokenizer, resolve_model
 from nb_helpers.recovery import (LastGoodAdapter, checkpoint_on_interrupt, keep_before_training, keep_good_adapter,
-                                 restore_before_training, split_metrics_at, stop_after_oom, stopped_outside_training)
+                                 last_checkpoint, restore_before_training, split_metrics_at, stop_after_oom,
+                                 stopped_outside_training)
 from nb_helpers.runs import (check_run_name, latest_target, mark_latest, new_run_dir, read_json, resolve_run,
                              runs_root, write_jsonl)
 from nb_helpers.faults.checkpoints import checkpoint_to_resume, staged_checkpoints
@@ -73,6 +74,7 @@ class TrainingRun:
     oom_step: int | None = None
     finished: bool = False  # finish_run ran: training this run again would append to a finished run folder
     previous_latest: Path | None = None  # where runs/latest pointed before this run's folder was made
+    trained_here: bool = False  # guard_training was entered: a second entry is the training cell run again
     world_size: int = 1  # processes training together (accelerate launch); cfg's batch is each one's share
     exit_code: int | None = None  # SIGTERM: finish_run saves what Ctrl-C would, then the process exits with this
 
@@ -328,10 +330,8 @@ def guard_training(run: TrainingRun, trainer):
     says what to do. A checkpoint counts only once complete (nb_helpers.faults.checkpoints). Other errors pass."""
     import torch
 
-    if run.finished:
-        raise RuntimeError(f"this run is finished ({run.run_dir}): training it again would append to it. To train "
-                           "with the sliders' current settings, re-run the notebook from \"Check first, then load\" "
-                           "(section 4): that starts a new run folder")
+    train_again(run)
+    run.trained_here = True
     resuming = resume_exactly(run, trainer)
     with staged_checkpoints(trainer, run.run_dir):
         try:
@@ -349,6 +349,39 @@ def guard_training(run: TrainingRun, trainer):
             for callback in resuming:
                 trainer.remove_callback(callback)
             trainer.args.eval_on_start = False
+
+
+def train_again(run: TrainingRun) -> None:
+    """The training cell run again on the same `run` (a notebook). After an interrupt, with or without the later cells
+    run, it continues from the interrupt's checkpoint, exactly (it restarted at step 1 from the trained weights and
+    metrics.jsonl held steps 1, 2, 3, 1, 2, 3 ...); a finished run, or one whose training ran to its end, is refused."""
+    status = run.summary.get("status")
+    if run.finished and status != "interrupted":
+        raise RuntimeError(f"this run is finished ({run.run_dir}): training it again would append to it. To train "
+                           "with the sliders' current settings, re-run the notebook from \"Check first, then load\" "
+                           "(section 4): that starts a new run folder")
+    if not run.trained_here:
+        return
+    if status != "interrupted":
+        raise RuntimeError(f"this run's training already ran ({run.run_dir}): training it again would repeat its "
+                           "steps. Run the next cell (finish_run), or re-run the notebook from \"Check first, then "
+                           "load\" (section 4) to start a new run")
+    checkpoint = last_checkpoint(run.run_dir)
+    if checkpoint is None:
+        raise RuntimeError(f"{run.run_dir} was interrupted before any checkpoint was complete: there is nothing to "
+                           "continue from. Re-run the notebook from \"Check first, then load\" (section 4) to start "
+                           "a new run")
+    if run.finished:  # the later cells ran: finish_run let go of the folder
+        take_run_lock(run.run_dir)
+        run.finished = False
+    step = int(checkpoint.name.rsplit("-", 1)[1])
+    run.metrics.close()
+    split_metrics_at(run.run_dir, step)
+    run.metrics.records[:] = [r for r in run.metrics.records if r["step"] <= step]
+    run.checkpoint, run.exit_code = str(checkpoint), None
+    run.summary.pop("status", None)
+    print(f"[run] continuing this run from {checkpoint.name}, where it was interrupted: the steps an uninterrupted run "
+          "would have trained, each once. Run the cells after this one again when it ends", flush=True)
 
 
 def resume_exactly(run: TrainingRun, trainer) -> list:

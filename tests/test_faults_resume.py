@@ -53,6 +53,17 @@ def copy_run(run_dir, tmp_path):
     return copy
 
 
+@pytest.fixture
+def sigterm_unhandled_fails():
+    """Without the run's handler SIGTERM would end pytest itself: make that a failure instead."""
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the previous handler: the run did not handle it")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    yield unhandled
+    signal.signal(signal.SIGTERM, before)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory, make_tiny_config):
     from nb_helpers.training import train
@@ -145,7 +156,7 @@ def test_every_file_a_resume_reads_is_checked_whole(ctrl_c_at_4, tmp_path, name,
 # --- 2. a run whose training finished resumes as finished ---------------------------------------------------------
 
 def test_a_stop_during_the_final_scoring_resumes_as_finished(tiny_model_dir, tmp_path, make_tiny_config, monkeypatch,
-                                                             capsys):
+                                                             capsys, sigterm_unhandled_fails):
     """SIGTERM while the tuned model is scored: the summary says interrupted, the lock is let go, the process exits
     143. The resume trains no step (the Trainer went on to step 6 of 5), scores and writes the summary."""
     from nb_helpers import training
@@ -181,17 +192,6 @@ def test_a_stop_during_the_final_scoring_resumes_as_finished(tiny_model_dir, tmp
 
 
 # --- 3. one signal handler for the whole run ---------------------------------------------------------------------
-
-@pytest.fixture
-def sigterm_unhandled_fails():
-    """Without the run's handler SIGTERM would end pytest itself: make that a failure instead."""
-    def unhandled(signum, frame):
-        raise AssertionError("SIGTERM reached the previous handler: the run did not handle it")
-
-    before = signal.signal(signal.SIGTERM, unhandled)
-    yield unhandled
-    signal.signal(signal.SIGTERM, before)
-
 
 def test_sigterm_while_scoring_the_base_model_leaves_no_empty_run_behind(tiny_model_dir, tmp_path, make_tiny_config,
                                                                         monkeypatch, capsys,
@@ -256,3 +256,67 @@ def test_an_evaluation_cut_short_by_a_stop_runs_first_on_resume(tiny_model_dir, 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 2, 4, 6]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+# --- 8, 9. notebook 03's training cell run again after Kernel -> Interrupt -----------------------------------------
+
+def notebook_run(cfg, listeners=()):
+    """Notebook 03's cells up to the training cell, as it calls them (build_trainer is its SFTTrainer(...) cell)."""
+    from nb_helpers.training import build_trainer, evaluate_before, load_for_training, open_run_folder, prepare_run
+
+    run = prepare_run(cfg, verbose=False)
+    load_for_training(run, verbose=False)
+    open_run_folder(run, listeners=listeners, verbose=False)
+    trainer = build_trainer(run)
+    evaluate_before(run, trainer, verbose=False)
+    return run, trainer
+
+
+def training_cell(run, trainer):
+    from nb_helpers.training import guard_training
+
+    with guard_training(run, trainer):
+        trainer.train(resume_from_checkpoint=run.checkpoint)
+
+
+def interrupt_once_at(step):
+    def listener(record):
+        if record.get("step") == step and "loss" in record and not listener.done:
+            listener.done = True
+            raise KeyboardInterrupt  # what Kernel -> Interrupt raises in the cell
+    listener.done = False
+    return listener
+
+
+@pytest.mark.parametrize("later_cells_ran", [False, True], ids=["cell-again", "after-later-cells"])
+def test_the_training_cell_run_again_after_an_interrupt_continues_the_run(uninterrupted, tiny_model_dir, tmp_path,
+                                                                          make_tiny_config, capsys, later_cells_ran):
+    """It restarted at step 1 from the trained weights and metrics.jsonl held 1, 2, 3, 4, 1, 2, ...; after the later
+    cells it called the run finished. Now it continues from the interrupt's checkpoint: every step once, and the same
+    losses as an uninterrupted run."""
+    from nb_helpers.training import finish_run
+
+    cfg = exact_config(make_tiny_config, tiny_model_dir, tmp_path / "runs")
+    run, trainer = notebook_run(cfg, listeners=[interrupt_once_at(4)])
+    training_cell(run, trainer)
+    assert run.summary["status"] == "interrupted"
+    if later_cells_ran:
+        finish_run(run, trainer, verbose=False)
+        assert not (run.run_dir / "run.lock").exists()
+    capsys.readouterr()
+    training_cell(run, trainer)
+    out = capsys.readouterr().out
+    assert "continuing this run from checkpoint-4, where it was interrupted" in out and "is finished" not in out
+    finish_run(run, trainer, verbose=False)
+    assert json.loads((run.run_dir / "summary.json").read_text())["status"] == "completed"
+    assert [s for s, *_ in trained(run.run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert trained(run.run_dir) == trained(uninterrupted)
+
+
+def test_the_training_cell_run_again_after_training_ended_is_refused(tiny_model_dir, tmp_path, make_tiny_config):
+    cfg = exact_config(make_tiny_config, tiny_model_dir, tmp_path / "runs", max_steps=2)
+    run, trainer = notebook_run(cfg)
+    training_cell(run, trainer)
+    with pytest.raises(RuntimeError, match="this run's training already ran .* Run the next cell"):
+        training_cell(run, trainer)
+    assert [s for s, *_ in trained(run.run_dir)] == [1, 2]
