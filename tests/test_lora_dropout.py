@@ -258,3 +258,16 @@ def test_the_kernels_compile_for_the_gpus_they_serve(capability, dtype):
                            constexprs={(names.index(c),): v for c, v in constants.items()})
         compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
         assert compiled.asm.get("ptx"), kernel.__name__
+
+
+def test_the_backward_grid_follows_the_gpus_own_sm_count():
+    """The grid was sized for an H200's 132 SMs on every GPU: on a GTX 1650's 14 it wrote ~9x the partial sums it
+    needed. Splits now aim at per_sm programs per SM of the GPU that runs the kernel; every row is covered once."""
+    tokens, features, rows, cols = 16384, 2048, 16, 128
+    h200 = lora_dropout.row_splits(tokens, features, rows, cols, per_sm=4, sms=132)
+    gtx1650 = lora_dropout.row_splits(tokens, features, rows, cols, per_sm=4, sms=14)
+    assert gtx1650[0] < h200[0]
+    assert gtx1650[0] * (features // cols) >= 4 * 14  # still enough programs to fill every SM
+    for splits, per_split in (h200, gtx1650):
+        assert splits * per_split >= tokens > (splits - 1) * per_split and per_split % rows == 0
+    assert lora_dropout.sm_count(torch.device("cpu")) == lora_dropout.H200_SMS  # the interpreter keeps the tuned grid

@@ -70,8 +70,9 @@ def _rank_tile(rank: int) -> int:
 
 
 def _row_tile(tokens: int) -> int:
-    """64 rows a program, fewer where that would leave an H200's 132 SMs without two programs each."""
-    return 64 if tokens >= 64 * 264 else 32 if tokens >= 32 * 132 else 16
+    """The tiles before the H200 sweep (NB_LORA_TILES=before, for a benchmark beside today's): 64 rows a program,
+    fewer where that would leave an H200's SMs without two programs each."""
+    return 64 if tokens >= 64 * 2 * H200_SMS else 32 if tokens >= 32 * H200_SMS else 16
 
 
 def _col_tile(features: int) -> int:
@@ -103,10 +104,26 @@ def _launch(settings: dict) -> dict:
     return {key: settings[key] for key in ("num_warps", "num_stages")}
 
 
-def row_splits(tokens: int, features: int, rows: int, cols: int, per_sm: int = 2) -> tuple[int, int]:
-    """(splits, rows per split) of the backward kernel's grid: about `per_sm` programs per SM of an H200, whole
-    tiles."""
-    splits = max(1, min(-(-tokens // rows), -(-132 * per_sm // (features // cols))))
+H200_SMS = 132  # the GPU the tiles were tuned on; where no GPU answers (Triton's interpreter on a CPU)
+
+
+@functools.cache
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the GPU a kernel runs on (a GTX 1650 has 14, an H200 132)."""
+    if device.type != "cuda":
+        return H200_SMS
+    return _sms_of(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def row_splits(tokens: int, features: int, rows: int, cols: int, per_sm: int = 2,
+               sms: int = H200_SMS) -> tuple[int, int]:
+    """(splits, rows per split) of the backward kernel's grid: about `per_sm` programs per SM of the GPU (`sms` of
+    them), whole tiles. Fewer SMs, fewer splits: fewer partial sums to write and add."""
+    splits = max(1, min(-(-tokens // rows), -(-sms * per_sm // (features // cols))))
     rows_per_split = -(-(-(-tokens // splits)) // rows) * rows
     return -(-tokens // rows_per_split), rows_per_split
 
@@ -151,7 +168,7 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     rank, padded = grad_down.shape[1], _rank_tile(grad_down.shape[1])
     settings = settings or tiles("backward", tokens, features)
     rows, cols = settings["BT"], settings["BK"]
-    splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"])
+    splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"], sm_count(flat.device))
     parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
     kernels().backward_kernel[(features // cols, splits)](
