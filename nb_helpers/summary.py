@@ -50,6 +50,10 @@ DETAIL_KEYS = {
     "per_process_batch": "[micro-batch, accumulation] each process ran (config.json keeps the one-process equivalent)",
     "peak_vram_gib_per_process": "with several processes: each one's peak device memory by NVML, in rank order",
     "fast_levers": "GPU: each lever of the fast path (nb_helpers.fast) and whether this run used it ({} on the CPU)",
+    # a DPO run (notebook 07): task_base is the SFT model's score, eval_loss_* DPO's loss on the held-out pairs
+    "preference_from": "DPO: the SFT run whose adapter it started from",
+    "pairs_reward_accuracy": "DPO: share of held-out pairs whose chosen answer got the higher implicit reward",
+    "pairs_reward_margin": "DPO: mean implicit reward of chosen minus rejected on the held-out pairs",
 }
 BEFORE_TRAINING_KEYS = ("task_metric", "task_base", "eval_loss_before")  # a resumed run keeps its first measures
 

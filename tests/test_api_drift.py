@@ -16,13 +16,15 @@ def tracked_callables():
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig, GenerationMixin, PreTrainedModel
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    from trl import SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     return {
         "BitsAndBytesConfig": BitsAndBytesConfig.__init__,
         "LoraConfig": LoraConfig,
         "SFTConfig": SFTConfig,
         "SFTTrainer": SFTTrainer.__init__,
+        "DPOConfig": DPOConfig,
+        "DPOTrainer": DPOTrainer.__init__,
         "prepare_model_for_kbit_training": prepare_model_for_kbit_training,
         "get_peft_model": get_peft_model,
         "PeftModel.from_pretrained": PeftModel.from_pretrained,
@@ -71,7 +73,7 @@ CALLS = list(collect_calls())
 
 def test_the_scan_sees_our_library_calls():
     seen = {c[1] for c in CALLS}
-    assert {"BitsAndBytesConfig", "LoraConfig", "SFTConfig", "SFTTrainer", "from_pretrained",
+    assert {"BitsAndBytesConfig", "LoraConfig", "SFTConfig", "SFTTrainer", "DPOConfig", "DPOTrainer", "from_pretrained",
             "prepare_model_for_kbit_training", "generate", "apply_chat_template"} <= seen
 
 

@@ -179,6 +179,9 @@ COMPONENT_LABELS = {
     "backward_transient": "backward temporaries",
     "allocator": "allocator overhead",
     "graphs": "CUDA graphs (pool, buffers)",
+    # DPO only (nb_helpers.plan.preference); an SFT plan has neither
+    "reference_adapter": "reference adapter (frozen copy)",
+    "reference_forward": "reference forward (no grad)",
 }
 
 
@@ -267,7 +270,8 @@ def plan(shape: Shape, inp: PlanInput, budget_gib: float | None = None) -> Plan:
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     c.update({k: float(v) for k, v in phases[phase].items()})
     c["allocator"] = allocator_bytes(inp, sum(phases[phase].values()))
-    return Plan(inp, shape, {k: c[k] for k in COMPONENT_LABELS}, phase, budget_gib, notes=plan_notes(shape, inp))
+    return Plan(inp, shape, {k: c[k] for k in COMPONENT_LABELS if k in c}, phase, budget_gib,
+                notes=plan_notes(shape, inp))
 
 
 def plan_for_config(cfg, shape: Shape, context_gib: float | None = None,
