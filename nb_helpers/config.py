@@ -25,7 +25,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The one switch that shrinks every notebook and the headless run for CI (nbdev's IN_TEST idea).
 CI_ENV_VAR = "NB_CI"
 # Keys a run's config.json records beside the knobs (what ran, not what to set); RunConfig.load skips them
-RECORD_KEYS = ("fast_levers", "preference_from")
+RECORD_KEYS = ("fast_levers",)
 # Optional JSON file of overrides that every notebook's default_config() applies (used by `make run`).
 CONFIG_ENV_VAR = "NB_CONFIG"
 
@@ -53,7 +53,8 @@ def read_knobs(path: str | Path, what: str, fix: str) -> dict:
 
 # The environment variables the package reads, each checked once with a one-line message (a bad one was a traceback:
 # WORLD_SIZE=abc, NB_CACHE_DIR=/dev/null/x, or NB_FASTPATH=xyz once the fast path was asked for).
-LAUNCHER_VARS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}  # set by accelerate launch / torchrun: the least each takes
+# set by accelerate launch and torchrun: each one's least value
+LAUNCHER_VARS = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_RANK": 0}
 SWITCH_WORDS = {"1", "0", "true", "false", "yes", "no", "on", "off", ""}
 
 
@@ -168,12 +169,6 @@ class RunConfig:
     # math in less memory and time. No effect on a CPU
     fast_path: bool = False
     vram_warn_gib: float | None = None  # notebook 04 flags steps above this; None = the card's budget (GTX 1650: 3.46)
-    # --- preference tuning (notebook 07: DPO on the SFT adapter; the batch, length and optimizer knobs above apply) ---
-    dpo_beta: float = 0.1  # how far DPO may move from the SFT model: 0.05 moves further, 0.5 stays close (TRL: 0.1)
-    dpo_learning_rate: float = 5e-5  # DPO refines a tuned adapter: well below SFT's 2e-4; try 1e-5 to 1e-4
-    dpo_max_steps: int = 40  # optimizer steps of DPO; 600 pairs at 8 pairs a step is 75 steps an epoch
-    pairs_train_file: str = "data/pairs_train.jsonl"  # preference pairs (JSONL: prompt, chosen, rejected)
-    pairs_eval_file: str | None = "data/pairs_eval.jsonl"  # held-out pairs: reward accuracy and margin; None skips
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -276,8 +271,8 @@ MAX_RANK, MAX_STEPS, MAX_LENGTH, MAX_ROWS = 1024, 1_000_000, 131_072, 100_000_00
 
 # knob -> (what a value of the right type must satisfy, the problem and fix when it does not)
 RANGES = {
-    "lora_r": (lambda v: 1 <= v <= MAX_RANK, f"the LoRA rank must be in 1 .. {MAX_RANK} (far more than a 4 GB card "
-                                           "can train already); try 8 (the reference) or 16"),
+    "lora_r": (lambda v: 1 <= v <= MAX_RANK, f"the LoRA rank must be >= 1 (and at most {MAX_RANK}, far more than a 4 "
+                                           "GB card can train); try 8 (the reference) or 16"),
     "lora_alpha": (lambda v: 0 < v <= 65536, "must be > 0 (and at most 65536); use 2 * lora_r"),
     "lora_dropout": (lambda v: 0 <= v < 1, "must be in [0, 1); try 0.05"),
     "target_modules": (lambda v: v and all(t.strip() for t in v),
@@ -285,8 +280,8 @@ RANGES = {
                        '["q_proj", "v_proj"]'),
     "quant_type": (lambda v: v in {"nf4", "fp4"}, "choose 'nf4' (recommended) or 'fp4'"),
     "compute_dtype": (COMPUTE_DTYPES.__contains__, f"choose one of {sorted(COMPUTE_DTYPES)}"),
-    "micro_batch_size": (lambda v: 1 <= v <= 1024, "must be in 1 .. 1024 sequences per forward pass"),
-    "grad_accum": (lambda v: 1 <= v <= 4096, "must be in 1 .. 4096 micro-batches per optimizer step"),
+    "micro_batch_size": (lambda v: 1 <= v <= 1024, "must be >= 1 (and at most 1024) sequences per forward pass"),
+    "grad_accum": (lambda v: 1 <= v <= 4096, "must be >= 1 (and at most 4096) micro-batches per optimizer step"),
     "learning_rate": (lambda v: 0 < v <= 1, "must be > 0 and at most 1; try 2e-4"),
     "lr_scheduler_type": (scheduler_known, "not a transformers scheduler; try 'linear' (the reference), 'cosine' or "
                                            "'constant'"),
@@ -294,27 +289,27 @@ RANGES = {
                                                     "no warmup)"),
     "max_grad_norm": (lambda v: 0 <= v <= 1e6, "must be >= 0 (0 turns clipping off); the recipe clips at 0.3"),
     "optim": (OPTIMIZERS.__contains__, f"choose one of {sorted(OPTIMIZERS)}"),
-    "num_train_epochs": (lambda v: 0 <= v <= 1000, "must be in 0 .. 1000; try 3"),
+    "num_train_epochs": (lambda v: 0 <= v <= 1000, "must be >= 0 (and at most 1000); try 3"),
     "max_steps": (lambda v: v == -1 or 1 <= v <= MAX_STEPS, f"must be -1 (train num_train_epochs instead) or 1 .. "
                                                            f"{MAX_STEPS:,} optimizer steps; try 60 for a quick run"),
-    "no_recompute_layers": (lambda v: 0 <= v <= 1024, "must be in 0 .. 1024 layers (0: every checkpointed layer "
-                                                      "recomputes)"),
-    "max_length": (lambda v: 16 <= v <= MAX_LENGTH, f"must be in 16 .. {MAX_LENGTH:,} tokens (16 holds a prompt and an "
-                                                    "answer at the least); try 512"),
+    "no_recompute_layers": (lambda v: 0 <= v <= 1024, "must be >= 0 (and at most 1024) layers (0: every "
+                                                      "checkpointed layer recomputes)"),
+    "max_length": (lambda v: 16 <= v <= MAX_LENGTH, f"must be >= 16 (to hold a prompt and an answer) and at most "
+                                                    f"{MAX_LENGTH:,} tokens; try 512"),
     "seed": (lambda v: 0 <= v < 2**32, "must be in 0 .. 2**32 - 1 (numpy's seeds); try 42"),
-    "save_steps": (lambda v: 1 <= v <= MAX_STEPS, f"must be in 1 .. {MAX_STEPS:,} optimizer steps"),
+    "save_steps": (lambda v: 1 <= v <= MAX_STEPS, f"must be >= 1 (and at most {MAX_STEPS:,}) optimizer steps"),
     "eval_steps": (lambda v: 0 <= v <= MAX_STEPS, "must be >= 0 (0 = eval loss before and after training only)"),
     "logging_steps": (lambda v: 1 <= v <= MAX_STEPS, "must be >= 1 (a log line every N optimizer steps); try 1"),
-    "max_train_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be in 1 .. {MAX_ROWS:,} rows, or None for every row"),
-    "max_eval_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be in 1 .. {MAX_ROWS:,} rows, or None for every row"),
+    "max_train_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be >= 1 (and at most {MAX_ROWS:,}) rows, or None for "
+                                                        "every row"),
+    "max_eval_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be >= 1 (and at most {MAX_ROWS:,}) rows, or None for "
+                                                       "every row"),
     "task_eval_samples": (lambda v: 0 <= v <= MAX_ROWS, "must be >= 0 (0 skips the base-vs-tuned comparison)"),
-    "max_new_tokens": (lambda v: 1 <= v <= MAX_LENGTH, f"must be in 1 .. {MAX_LENGTH:,} tokens per answer; try 80"),
+    "max_new_tokens": (lambda v: 1 <= v <= MAX_LENGTH, f"must be >= 1 (and at most {MAX_LENGTH:,}) tokens per answer; "
+                                                       "try 80"),
     "budget_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for no cap"),
     "card": (card_known, f"not a card preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')"),
     "vram_warn_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for the card's budget"),
-    "dpo_beta": (lambda v: v > 0, "must be > 0; try 0.1 (TRL's default), 0.05 or 0.5"),
-    "dpo_learning_rate": (lambda v: v > 0, "must be > 0; try 5e-5"),
-    "dpo_max_steps": (lambda v: v >= 1, "must be >= 1 optimizer step; try 40"),
 }
 
 
@@ -353,7 +348,8 @@ def finite(value) -> bool:
 
 def shown(value) -> str:
     """repr(value), cut to 60 characters: a 5,000-digit number is not repeated back whole."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else f"<a {len(str(abs(value)))}-digit number>"
+    big = isinstance(value, int) and abs(value) >= 10**60
+    text = f"<a {len(str(abs(value)))}-digit number>" if big else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -411,7 +407,7 @@ def combined_problems(cfg, typed: set[str]) -> list[str]:
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).
 CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
                     max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
-                    dpo_max_steps=3, runs_dir="runs/ci")
+                    runs_dir="runs/ci")
 
 # CPU, each change measured on 2 cores (bench/RESULTS.md, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;

@@ -58,10 +58,12 @@ def test_widgets_write_the_config_and_refuse_bad_values():
     controls["grad accum"].value = 4
     assert (cfg.lora_r, cfg.grad_accum, cfg.effective_batch) == (16, 4, 4)
     assert "effective batch" in box.children[-1].value
-    controls["max steps (-1=epochs)"].value = 0
+    controls["max steps (-1=epochs)"].value = 5
     cfg.num_train_epochs = 0
     controls["max steps (-1=epochs)"].value = -1  # neither steps nor epochs: refused, value restored
-    assert cfg.max_steps == 0 and "nothing trains" in box.children[-1].value
+    assert cfg.max_steps == 5 and "nothing trains" in box.children[-1].value
+    controls["max steps (-1=epochs)"].value = 0  # 0 (or -5) trained epochs silently: refused too
+    assert cfg.max_steps == 5 and "must be -1 (train num_train_epochs instead)" in box.children[-1].value
 
 
 def test_learning_rate_control_keeps_the_exact_value():
