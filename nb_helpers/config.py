@@ -25,7 +25,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The one switch that shrinks every notebook and the headless run for CI (nbdev's IN_TEST idea).
 CI_ENV_VAR = "NB_CI"
 # Keys a run's config.json records beside the knobs (what ran, not what to set); RunConfig.load skips them
-RECORD_KEYS = ("fast_levers",)
+RECORD_KEYS = ("fast_levers", "preference_from")
 # Optional JSON file of overrides that every notebook's default_config() applies (used by `make run`).
 CONFIG_ENV_VAR = "NB_CONFIG"
 
@@ -169,6 +169,12 @@ class RunConfig:
     # math in less memory and time. No effect on a CPU
     fast_path: bool = False
     vram_warn_gib: float | None = None  # notebook 04 flags steps above this; None = the card's budget (GTX 1650: 3.46)
+    # --- preference tuning (notebook 07: DPO on the SFT adapter; the batch, length and optimizer knobs above apply) ---
+    dpo_beta: float = 0.1  # how far DPO may move from the SFT model: 0.05 moves further, 0.5 stays close (TRL: 0.1)
+    dpo_learning_rate: float = 5e-5  # DPO refines a tuned adapter: well below SFT's 2e-4; try 1e-5 to 1e-4
+    dpo_max_steps: int = 40  # optimizer steps of DPO; 600 pairs at 8 pairs a step is 75 steps an epoch
+    pairs_train_file: str = "data/pairs_train.jsonl"  # preference pairs (JSONL: prompt, chosen, rejected)
+    pairs_eval_file: str | None = "data/pairs_eval.jsonl"  # held-out pairs: reward accuracy and margin; None skips
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -310,6 +316,9 @@ RANGES = {
     "budget_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for no cap"),
     "card": (card_known, f"not a card preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')"),
     "vram_warn_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for the card's budget"),
+    "dpo_beta": (lambda v: v > 0, "must be > 0; try 0.1 (TRL's default), 0.05 or 0.5"),
+    "dpo_learning_rate": (lambda v: v > 0, "must be > 0; try 5e-5"),
+    "dpo_max_steps": (lambda v: v >= 1, "must be >= 1 optimizer step; try 40"),
 }
 
 
@@ -407,7 +416,7 @@ def combined_problems(cfg, typed: set[str]) -> list[str]:
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).
 CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
                     max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
-                    runs_dir="runs/ci")
+                    dpo_max_steps=3, runs_dir="runs/ci")
 
 # CPU, each change measured on 2 cores (bench/RESULTS.md, README "CPU profile"):
 # - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;
