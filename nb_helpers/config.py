@@ -316,9 +316,10 @@ RANGES = {
     "budget_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for no cap"),
     "card": (card_known, f"not a card preset; choose one of {', '.join(CARDS)}, or '<N> GiB' (e.g. '6 GiB')"),
     "vram_warn_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for the card's budget"),
-    "dpo_beta": (lambda v: v > 0, "must be > 0; try 0.1 (TRL's default), 0.05 or 0.5"),
-    "dpo_learning_rate": (lambda v: v > 0, "must be > 0; try 5e-5"),
-    "dpo_max_steps": (lambda v: v >= 1, "must be >= 1 optimizer step; try 40"),
+    "dpo_beta": (lambda v: 0 < v <= 100, "must be > 0 (and at most 100); try 0.1 (TRL's default), 0.05 or 0.5"),
+    "dpo_learning_rate": (lambda v: 0 < v <= 1, "must be > 0 (and at most 1); try 5e-5"),
+    "dpo_max_steps": (lambda v: 1 <= v <= MAX_STEPS, f"must be >= 1 (and at most {MAX_STEPS:,}) optimizer steps; try "
+                                                     "40"),
 }
 
 
