@@ -29,7 +29,7 @@ $(TEST_STAMP): requirements-test.txt $(STAMP)
 
 setup: $(STAMP)
 
-## make run: the whole course (notebooks 00-06) on the embedded default; executed copies land in runs/latest/notebooks
+## make run: the whole course (notebooks 00-07) on the embedded default; executed copies land in runs/latest/notebooks
 run: setup
 	$(PY) -m nb_helpers course
 
