@@ -77,6 +77,8 @@ def cmd_export(args) -> int:
     Exit 0 when every F16 GGUF answers as the merged model, 1 when one does not, 2 for bad input."""
     from nb_helpers.data import load_rows
     from nb_helpers.export import GGUF_KINDS, export_gguf, merge_adapter
+    from nb_helpers.export.merge import base_folder
+    from nb_helpers.models import resolve_model
     from nb_helpers.runs import load_run
 
     kinds = [k.strip().lower() for k in args.gguf.split(",") if k.strip()]
@@ -89,16 +91,17 @@ def cmd_export(args) -> int:
     check_export_folder(run.path)
     cfg = RunConfig.from_dict(run.config)
     start = time.perf_counter()
-    _, merged_dir = merge_adapter(run.path, run.path / "merged")
+    merged_dir = merge_adapter(run.path, run.path / "merged")
     print(f"[export] merged 16-bit model: {merged_dir} ({time.perf_counter() - start:.1f} s)")
     conversations = None
     if args.prompts and cfg.eval_file:
         conversations = [r["prompt"] for r in load_rows(cfg.eval_file, cfg, args.prompts)]
-    results = export_gguf(merged_dir, kinds, conversations, cfg.max_new_tokens, out_dir=run.path / "gguf")
-    wrong = [r for r in results if r.kind == "f16" and r.total and r.agree != r.total]
+    results = export_gguf(merged_dir, kinds, conversations, cfg.max_new_tokens, out_dir=run.path / "gguf",
+                          adapter_dir=run.path / "adapter", base_dir=base_folder(resolve_model(cfg, False).path))
+    wrong = [r for r in results if r.passed is False]
     for r in wrong:
-        print(f"error: {r.path.name} answers differently from the merged model on {r.total - r.agree} prompt(s)",
-              file=sys.stderr)
+        print(f"error: {r.path.name} answers differently in llama.cpp from the merged model in transformers: "
+              f"{r.agreement.line()}", file=sys.stderr)
     return 1 if wrong else 0
 
 
@@ -243,16 +246,17 @@ def _add_validate_data(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="merged 16-bit model -> GGUF (f16, q8_0), checked, + Ollama Modelfile")
+    p = sub.add_parser("export", help="merged 16-bit model -> GGUF (f16, q8_0, q4_k_m) and the adapter as GGUF, "
+                       "checked in llama.cpp, + Ollama Modelfiles")
     p.add_argument("--run", default=str(PROJECT_ROOT / "runs" / "latest"), help="run folder (default: runs/latest)")
-    p.add_argument("--gguf", default="f16,q8_0", help="comma list of GGUF kinds: f16, q8_0")
+    p.add_argument("--gguf", default="f16,q8_0", help="comma list of GGUF kinds: f16, q8_0, q4_k_m")
     p.add_argument("--prompts", type=count, default=12,
-                   help="held-out prompts whose greedy answers each GGUF must reproduce (0 skips the check)")
+                   help="held-out prompts whose greedy answers each GGUF must reproduce in llama.cpp (0 skips the check)")
     p.set_defaults(func=cmd_export)
 
 
 def _add_course(sub) -> None:
-    p = sub.add_parser("course", help="execute notebooks 00-06 in order and keep them in the run folder (make run)")
+    p = sub.add_parser("course", help="execute notebooks 00-07 in order and keep them in the run folder (make run)")
     p.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell may run")
     p.add_argument("--executed-dir", help="also save the executed notebooks here (make executed: docs/executed)")
     p.set_defaults(func=cmd_course)

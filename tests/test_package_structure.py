@@ -34,7 +34,7 @@ LAYERS = {
     # 4 course: what the notebooks call, and the fault handling a run needs
     "environment": 4, "models": 4, "lora": 4, "data": 4, "distributed": 4, "metrics": 4, "runs": 4, "summary": 4,
     "task_metric": 4, "trainer_setup": 4, "recovery": 4, "export": 4, "course": 4, "autofit": 4, "preflight": 4,
-    "faults": 4, "faults.*": 4, "pairs": 4,
+    "faults": 4, "faults.*": 4, "pairs": 4, "export.*": 4,
     # 5 app: the entry points that compose the course: training's steps, the command line, the notebooks' widgets
     "training": 5, "dpo": 5, "cli": 5, "plan_command": 5, "__main__": 5, "ui": 5, "ui.*": 5,
 }
