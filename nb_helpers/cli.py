@@ -73,8 +73,9 @@ def cmd_validate_data(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Merge a run's adapter into 16-bit, write GGUF files, check their greedy answers, write an Ollama Modelfile.
-    Exit 0 when every F16 GGUF answers as the merged model, 1 when one does not, 2 for bad input."""
+    """Merge a run's adapter into 16-bit, write GGUF files and the adapter as GGUF, check each in llama.cpp against
+    transformers, write Ollama Modelfiles. Exit 0 when every checked file passes its bar (nb_helpers/export/check.py),
+    1 when one does not, 2 for bad input."""
     from nb_helpers.data import load_rows
     from nb_helpers.export import GGUF_KINDS, export_gguf, merge_adapter
     from nb_helpers.export.merge import base_folder

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FIRST_TOKENS = 32  # the answer tokens compared: enough to cover a short JSON answer's keys
 # kind: (what is counted, the share required)
 REQUIRED = {"f16": ("answers", 0.8), "adapter": ("answers", 0.8), "q8_0": ("tokens", 0.9)}
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nb_helpers.export.check import Agreement, check_file, reference_tokens
+from nb_helpers.export.check import FIRST_TOKENS, Agreement, check_file, reference_tokens
 from nb_helpers.export.convert import CONVERTED, GGUF_KINDS, quantize_gguf, write_adapter_gguf, write_gguf
 from nb_helpers.export.ollama import ollama_modelfile
 from nb_helpers.export.runtime import llama_cpp_missing
@@ -72,7 +72,7 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
                 max_new_tokens: int = 32, out_dir: str | Path | None = None, log=print,
                 adapter_dir: str | Path | None = None, base_dir: str | Path | None = None) -> list[ExportResult]:
     """One GGUF per kind of the merged folder `model_dir`, in out_dir (default: gguf/ beside it), each checked in
-    llama.cpp against transformers on `conversations` when given; with adapter_dir and base_dir, also the base's
+    llama.cpp against transformers on `conversations` when given (the first min(max_new_tokens, 32) tokens); with adapter_dir and base_dir, also the base's
     F16 file and the adapter GGUF over it, checked against the same merged answers. Writes `Modelfile` (the last
     file written of the merged model) and, with the adapter, `Modelfile.adapter`."""
     from nb_helpers.models import load_tokenizer
@@ -80,7 +80,7 @@ def export_gguf(model_dir: str | Path, kinds=GGUF_KINDS, conversations: list[lis
     model_dir = Path(model_dir)
     out_dir = Path(out_dir or model_dir.parent / "gguf")
     name = model_dir.parent.name or "model"
-    reference = _reference(model_dir, conversations, max_new_tokens, log)
+    reference = _reference(model_dir, conversations, min(max_new_tokens, FIRST_TOKENS), log)
     results: list[ExportResult] = []
     for kind in kinds:
         path = out_dir / f"{name}-{kind}.gguf"
