@@ -156,14 +156,17 @@ def held_out_scores(trainer, metrics: PreferenceMetrics) -> dict:
     return pair_scores(trainer.evaluate())
 
 
-def finish_preference_run(run_dir: Path, model, model_name: str, extra: dict, metrics: PreferenceMetrics) -> dict:
-    """adapter/ (the trained adapter only, not TRL's "ref" copy: notebook 05 and export load it like any run's),
-    summary.json and training.png."""
+def finish_preference_run(run_dir: Path, model, model_name: str, extra: dict, metrics: PreferenceMetrics,
+                          tokenizer=None) -> dict:
+    """adapter/ (the trained adapter only, not TRL's "ref" copy, with the tokenizer beside it: notebook 05 and export
+    load it like any run's), summary.json and training.png."""
     from nb_helpers.summary import write_summary
     from nb_helpers.training import save_plots
 
     metrics.close()
     model.save_pretrained(run_dir / "adapter", selected_adapters=["default"])
+    if tokenizer is not None:  # as an SFT run's adapter/ holds it: export and notebook 05 read it from there
+        tokenizer.save_pretrained(run_dir / "adapter")
     summary = write_summary(run_dir, model_name, extra)
     save_plots(run_dir)
     return summary

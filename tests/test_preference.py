@@ -206,12 +206,12 @@ def test_a_tiny_dpo_run_starts_from_the_sft_adapter_and_writes_a_run_folder(shar
     assert count("ref") == count("default") > 0
     assert adapter_bytes(model, "ref") == REF_ADAPTER_BYTES * count("ref")  # fp32, as the planner counts it
     trainer.train()
-    summary = finish_preference_run(run_dir, model, choice.name, {}, metrics)
+    summary = finish_preference_run(run_dir, model, choice.name, {}, metrics, tokenizer=tokenizer)
     records = load_run(run_dir).metrics
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert all("reward_accuracy" in r and "reward_margin" in r for r in records if "loss" in r)
     assert any("eval_reward_accuracy" in r for r in records)
-    assert sorted(p.name for p in (run_dir / "adapter").iterdir()) == ["README.md", "adapter_config.json",
-                                                                       "adapter_model.safetensors"]
+    saved = sorted(p.name for p in (run_dir / "adapter").iterdir())  # the trained adapter only, and its tokenizer:
+    assert saved == sorted(p.name for p in (sft_run / "adapter").iterdir())  # what notebook 05 and export read
     assert is_preference_run(run_dir) and not is_preference_run(sft_run) and summary["steps"] == 2
     assert sft_runs(cfg) == [sft_run]  # a DPO run is never where the next DPO starts
