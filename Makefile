@@ -14,10 +14,15 @@ LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.d/qlora-course.json
 
 .PHONY: setup run executed test test-gpu test-unit test-notebooks test-browser lab env clean-notebooks results
 
+# llama-cpp-python is built from source once (then pip reuses the wheel): on x86-64 for any AVX2 CPU rather than for
+# this one. The build llama.cpp tunes to the build machine (GGML_NATIVE) crashed with a general protection fault in
+# libggml-cpu on our AVX-512 Xeon as soon as notebook 05 ran a GGUF; the AVX2 build runs there and on most laptops.
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON,)
+
 # With an NVIDIA GPU (nvidia-smi answers), the GPU extras too: liger-kernel's fused kernels for the fast path.
 $(STAMP): requirements.txt requirements-stack.txt requirements-gpu.txt pyproject.toml jupyter/qlora-course.json
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r $(if $(shell nvidia-smi -L 2>/dev/null),requirements-gpu.txt,requirements.txt)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install -q --disable-pip-version-check -r $(if $(shell nvidia-smi -L 2>/dev/null),requirements-gpu.txt,requirements.txt)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	@mkdir -p $(dir $(LAB_SETTINGS)) && cp jupyter/qlora-course.json $(LAB_SETTINGS)
 	@touch $(STAMP)
