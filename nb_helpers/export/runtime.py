@@ -83,7 +83,9 @@ def chat_tokens(llm, messages: list[dict]) -> list[int]:
     if not template:
         raise ExportError("the GGUF holds no chat template (tokenizer.chat_template): export from a folder whose "
                           "tokenizer has one")
-    special = llm._model.token_get_text  # noqa: SLF001 - the same call llama-cpp-python makes for its formatter
+    def special(token: int) -> str:  # a special token's text, through the public API (not the private _model)
+        return llm.detokenize([token], special=True).decode("utf-8", errors="replace")
+
     formatter = Jinja2ChatFormatter(template, eos_token=special(llm.token_eos()), bos_token=special(llm.token_bos()))
     prompt = formatter(messages=messages).prompt
     return llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
