@@ -59,4 +59,4 @@ def test_runs_from_before_the_planner_get_one_line_not_an_exception(missing):
     assert predicted_vs_measured(old) == []
     report = predicted_vs_measured_report(old)
     assert report.startswith("_No prediction") and "\n" not in report
-    assert predicted_vs_measured_report({}) == report
+    assert predicted_vs_measured_report({}).startswith("_No summary.json yet")  # a run still training: not "older"
