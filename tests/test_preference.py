@@ -5,6 +5,8 @@ messages, notebook 07 writes out the DPOConfig the package builds, and one tiny 
 import ast
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -176,7 +178,7 @@ def test_the_keyword_comparison_notices_a_missing_argument(tmp_path):
 
 # --- one tiny DPO run on the CPU -------------------------------------------------------------------------------------
 
-def test_a_tiny_dpo_run_starts_from_the_sft_adapter_and_writes_a_run_folder(shared_run, no_gpu):
+def test_a_tiny_dpo_run_starts_from_the_sft_adapter_and_writes_a_run_folder(shared_run, no_gpu, tmp_path):
     """On the suite's tiny SFT run: TRL adds the frozen "ref" copy of the SFT adapter (no second base), the reward
     metrics reach metrics.jsonl, only the trained adapter is saved, and the folder reads back as a DPO run."""
     from peft import PeftModel
@@ -188,7 +190,9 @@ def test_a_tiny_dpo_run_starts_from_the_sft_adapter_and_writes_a_run_folder(shar
     from nb_helpers.pairs import load_pairs, pair_dataset
     from nb_helpers.runs import load_run
 
-    cfg, sft_run = shared_run
+    cfg, shared_sft = shared_run  # copied: a DPO run becomes runs/latest, and the shared folder's latest stays the SFT run
+    sft_run = Path(shutil.copytree(shared_sft, tmp_path / "runs" / shared_sft.name))
+    cfg = cfg.replace(runs_dir=str(sft_run.parent))
     assert sft_runs(cfg) == [sft_run]
     cfg = sft_config_for(cfg.replace(dpo_max_steps=2, micro_batch_size=2, eval_steps=1, max_length=192), sft_run)
     choice = resolve_model(cfg, verbose=False)

@@ -75,11 +75,12 @@ def test_plan_panel_shows_the_error_then_recovers(tiny_model_dir, tiny_cfg):
 
 
 def test_controls_are_wide_enough_and_fall_back_to_static_html():
-    from nb_helpers.ui.widgets import CONTROL_WIDTH, LABEL_WIDTH, TRAIN_FIELDS, config_widgets
+    from nb_helpers.ui.widgets import CONTROL_WIDTH, FIT_WIDTH, LABEL_WIDTH, TRAIN_FIELDS, config_widgets
 
     box = config_widgets(RunConfig(), fields=TRAIN_FIELDS)
-    for control in box.children[:-1]:
-        assert control.layout.width == CONTROL_WIDTH and control.style.description_width == LABEL_WIDTH
+    for control in box.children[:-1]:  # as wide as the window allows, up to the width the labels were laid out for
+        assert (control.layout.width, control.layout.max_width) == (FIT_WIDTH, CONTROL_WIDTH)
+        assert control.style.description_width == LABEL_WIDTH
     bundle = box._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle  # live where a widget frontend runs
     assert "LoRA rank r</td><td>8</td>" in bundle["text/html"] and "effective batch" in bundle["text/html"]
