@@ -24,8 +24,26 @@ log="$OUT/pytest-gpu-$commit.log"
 } > "$log" 2>&1
 # NB_OFFLINE_DEVICE: the tests that need the embedded model itself (fetched from PyPI once) skip, each saying why
 [ -n "${NB_OFFLINE_DEVICE:-}" ] && export PIP_NO_INDEX=1  # pip fails at once instead of retrying a network it lacks
-# arguments: the test files or ids to run instead of the whole suite (the rest of one a device call's limit cut)
-"${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "${@:-tests}" >> "$log" 2>&1
-status=$?
-grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+pytest_run() { "${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q -rfEs --tb=short "$@"; }
+if [ -z "${SHARDS:-}" ]; then
+  # arguments: the test files or ids to run instead of the whole suite (the rest of one a device call's limit cut)
+  pytest_run "${@:-tests}" >> "$log" 2>&1
+  status=$?
+else
+  # SHARDS=n: the whole suite in one device call. The GPU tests run first and alone (their memory checks read the
+  # whole card's NVML figure); then the other tests, GPU visible, in n processes over the test files, round robin.
+  echo "== -m gpu, alone" >> "$log"
+  pytest_run -m gpu tests >> "$log" 2>&1; status=$?
+  files=(tests/test_*.py); pids=()
+  for ((i = 0; i < SHARDS; i++)); do
+    shard=(); for ((j = i; j < ${#files[@]}; j += SHARDS)); do shard+=("${files[j]}"); done
+    pytest_run -m "not gpu" "${shard[@]}" > "$OUT/shard-$i.log" 2>&1 & pids+=($!)
+  done
+  for ((i = 0; i < SHARDS; i++)); do
+    wait "${pids[i]}"; rc=$?; [ $rc -eq 5 ] && rc=0  # 5: every test of the shard is a GPU test, already run
+    { echo "== -m 'not gpu', shard $i of $SHARDS (exit $rc)"; cat "$OUT/shard-$i.log"; } >> "$log"
+    rm -f "$OUT/shard-$i.log"; [ $rc -ne 0 ] && status=$rc
+  done
+fi
+grep -E "^(==|FAILED|ERROR)|passed|failed" "$log" | tail -40
 exit $status
