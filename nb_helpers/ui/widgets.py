@@ -41,6 +41,11 @@ RECIPE_ALPHA_PER_RANK = 2  # the reference recipe's alpha = 2r: the update's sca
 # Wide enough for the longest label and a slider track a mouse can aim at (the defaults cut labels, ~54 px tracks)
 LABEL_WIDTH, CONTROL_WIDTH = "190px", "560px"
 FIT_WIDTH = "calc(100% - 8px)"  # a narrower window (the file browser open) shrinks a control; 8 px: its margins
+# ipywidgets 8 makes a SelectionSlider's readout editable but never reads what is typed there: typing a rank left
+# the readout blank while r stayed where it was. The readout only shows the choice; the handle and arrow keys move it.
+CHOICE_CLASS = "nb-choice"
+CHOICE_STYLE = (f"<style>.{CHOICE_CLASS} .widget-readout {{pointer-events: none; user-select: none; "
+                "-webkit-user-modify: read-only}}</style>")
 
 
 def _make(kind, options, description, value):
@@ -51,7 +56,7 @@ def _make(kind, options, description, value):
     common = dict(description=description, style=style, layout=layout)
     if kind == "select":
         options = [(f"{v:g}", v) for v in sorted(set(options) | {value})]  # (label, value): values stay exact
-        return w.SelectionSlider(options=options, value=value, **common)
+        return w.SelectionSlider(options=options, value=value, **common).add_class(CHOICE_CLASS)
     if kind == "float":
         lo, hi, step = options
         return w.FloatSlider(value=value, min=lo, max=hi, step=step, **common)
@@ -85,7 +90,7 @@ class _Binding:
     def refresh(self) -> None:
         cfg = self.cfg
         follows = " (follows r: the recipe's alpha = 2r)" if self.alpha_follows else ""
-        self.status.value = (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = "
+        self.status.value = CHOICE_STYLE + (f"<b>effective batch</b> = {cfg.micro_batch_size} x {cfg.grad_accum} = "
                              f"{cfg.effective_batch} sequences per optimizer step &nbsp;|&nbsp; <b>alpha/r</b> = "
                              f"{cfg.lora_alpha}/{cfg.lora_r} = {cfg.lora_alpha / cfg.lora_r:g}{follows}<br>"
                              f"{html.escape(cfg.summary_line())}" + self.after_loading())
@@ -114,7 +119,7 @@ class _Binding:
                 setattr(cfg, name, value)
             kept = ", ".join(f"{k}={v}" for k, v in old.items())
             message = f"{e}\n(the config keeps {kept} until the choice is valid)"
-            self.status.value = _error_html(message)
+            self.status.value = CHOICE_STYLE + _error_html(message)
             if self.on_error:
                 self.on_error(message)
             return

@@ -123,6 +123,10 @@ def test_02_rank_slider_moves_the_plan_and_empty_targets_are_refused(page, lab, 
 
     rank, alpha = slider(cell, "LoRA rank r"), slider(cell, "LoRA alpha")
     assert (readout(rank), readout(alpha)) == ("8", "16")
+    rank.locator(".widget-readout").focus()  # typing into the readout (it once went blank, r unchanged)
+    page.keyboard.type("1000")
+    page.keyboard.press("Enter")
+    assert readout(rank) == "8"  # the readout shows the choice; the handle and the arrow keys move it
     before = shown_peak(cell)
     assert before == pytest.approx(cli_plan_peak(ci_config(), embedded_dir), abs=0.005)
     move(page, rank, +1)  # 8 -> 16
@@ -190,6 +194,15 @@ ASK_TRAINER = ("print(__import__('json').dumps({k: getattr(v, 'value', v) for k,
 
 def outputs_text(nb, index) -> str:
     return "\n".join(o.get("text", "") for o in nb.state(index)["outputs"])
+
+
+def shown_text(state) -> str:
+    """What a cell's outputs say: printed text, and displayed Markdown or plain text."""
+    def text(value) -> str:
+        return "".join(value) if isinstance(value, list) else value or ""
+
+    return "\n".join(text(o.get("text")) + "".join(text(o.get("data", {}).get(kind)) for kind in
+                                                    ("text/markdown", "text/plain")) for o in state["outputs"])
 
 
 def live_figure(nb):
@@ -363,6 +376,26 @@ def test_03_interrupt_says_how_to_resume_here(page, lab, project):
     final = outputs_text(nb, nb.index_of('saved.summary["status"]'))
     assert "interrupted" in final and "set RESUME = " in final, final
     new_run = (project / "runs" / "ci" / "latest").resolve()
+
+    # The training cell run again, after the interrupt and the cells below it: the run continues from the interrupt's
+    # checkpoint (it once restarted at step 1 on the trained weights, or called the run finished), each step once
+    def trained_steps() -> list[int]:
+        return [r["step"] for r in map(json.loads, (new_run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    stopped_at, again = max(trained_steps()), []
+
+    def watch_again(state):
+        caption = live_figure(nb).locator("figcaption")
+        shown = re.search(r"step (\d+),", caption.inner_text()) if caption.count() else None
+        if not again and shown and int(shown.group(1)) > stopped_at:
+            nb.panel().locator(".jp-NotebookPanel-toolbar [data-command='notebook:interrupt-kernel']").click()
+            again.append(True)
+
+    text = "\n".join(o.get("text", "") for o in nb.run(training, timeout=TRAINING_TIMEOUT, watch=watch_again)["outputs"])
+    assert f"continuing this run from checkpoint-{stopped_at}" in text and "step 1/" not in text, text[-2000:]
+    steps = trained_steps()
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] > stopped_at, steps
+    assert (project / "runs" / "ci" / "latest").resolve() == new_run  # the same run folder, no new one
     assert new_run.name != STATE["first_run"]  # re-running from section 4 started a new run folder
     assert json.loads((new_run / "config.json").read_text())["lora_r"] == 16  # with the slider moved after the first
 
@@ -420,6 +453,21 @@ def test_04_names_a_run_whose_steps_slowed_down(page, lab, project):
     nb.run(nb.index_of("list_runs(root)\nassert"))
     flags = "\n".join(o.get("text", "") for o in nb.run(nb.index_of("flag_problems("))["outputs"])
     assert "step time rose 34%" in flags and "No problems flagged" not in flags, flags
+    assert "still training" in shown_text(nb.run(nb.index_of("predicted_vs_measured_report(run.summary)")))
+
+    # A run whose steps swung with the machine's load (5.2-58.4 s, as a busy laptop measured): 04 says its times
+    # measure the load, in the flags and beside the runs' comparison
+    busy = project / "runs" / "ci" / "20990101-000100_busy-laptop_r8"
+    busy.mkdir()
+    (busy / "config.json").write_text(json.dumps(ci_config().to_dict()))
+    times = [5.2, 5.4, 58.4, 5.3, 41.0, 5.2, 30.5, 5.6, 52.0, 5.3]
+    (busy / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "epoch": i / 10, "loss": 1.0 - 0.01 * i, "step_s": t}) + "\n"
+        for i, t in enumerate(times)))
+    mark_latest(busy)
+    flags = "\n".join(o.get("text", "") for o in nb.run(nb.index_of("flag_problems("))["outputs"])
+    assert "step times ranged 5.20-58.40 s" in flags and "No problems flagged" not in flags, flags
+    assert "ranged 5.20-58.40 s" in shown_text(nb.run(nb.index_of("uneven_steps(steps_of(r))")))
     assert nb.errors() == []
     nb.save()
     nb.close()
