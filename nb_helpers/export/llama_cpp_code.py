@@ -47,14 +47,15 @@ def scripts_dir(log=print) -> Path:
             raise ExportError(f"LLAMA_CPP_DIR={folder}: no {SCRIPTS[0]} there; point it at a llama.cpp checkout, or "
                               "unset it to use the scripts of the installed llama-cpp-python")
         return folder
-    from nb_helpers.models import cache_dir
+    from nb_helpers.models import cache_dir, cache_entry
 
     version = runtime_version() or LLAMA_CPP_PYTHON
     folder = cache_dir() / f"llama.cpp-scripts-{version}"
     if not (folder / SCRIPTS[0]).is_file():
         log(f"[export] llama.cpp's conversion scripts: taken once from llama-cpp-python {version}'s source archive "
             f"(PyPI) into {folder}")
-        _extract(_download(version), folder)
+        with cache_entry(folder) as partial:
+            _extract(_download(version), partial)
     return folder
 
 
@@ -71,9 +72,7 @@ def _download(version: str) -> Path:
 
 
 def _extract(archive: Path, folder: Path) -> None:
-    """Only the vendored scripts, gguf-py and the licence; written to a temporary folder, then renamed (atomic)."""
-    partial = folder.with_name(folder.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
+    """Only the vendored scripts, gguf-py and the licence, into `folder` (a cache entry: complete or absent)."""
     with tarfile.open(archive) as tar:
         members = []
         for member in tar.getmembers():
@@ -81,12 +80,11 @@ def _extract(archive: Path, folder: Path) -> None:
             if inner and any(inner == n or (n.endswith("/") and inner.startswith(n)) for n in NEEDED):
                 member.name = inner
                 members.append(member)
-        tar.extractall(partial, members=members, filter="data")  # "data": no links out, no absolute paths
+        tar.extractall(folder, members=members, filter="data")  # "data": no links out, no absolute paths
     archive.unlink()
-    if not (partial / SCRIPTS[0]).is_file():
+    if not (folder / SCRIPTS[0]).is_file():
         raise ExportError(f"{archive.name} holds no {_VENDORED}{SCRIPTS[0]}: set LLAMA_CPP_DIR to a llama.cpp "
                           "checkout instead")
-    partial.rename(folder)
 
 
 def run_script(script: str, args: list, log=print) -> str:
