@@ -13,6 +13,10 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if torch.cuda.is_available():
+        # bitsandbytes picks its native library (CUDA or CPU-only) when first imported, from torch.cuda.is_available():
+        # imported first inside a test that pretends there is no GPU (no_gpu), it loaded the CPU-only one, and every
+        # later 4-bit load on the GPU failed in that process. Import it while the machine is seen as it is.
+        import bitsandbytes  # noqa: F401
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: make test-gpu on a GPU machine (README, 'GPU checks')")
     for item in items:

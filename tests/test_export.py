@@ -278,7 +278,7 @@ def test_modelfile_template_is_the_tokenizers_chat_template_in_go_syntax(tokeniz
         chat_format(tokenizer)
 
 
-def test_unsupported_architectures_kinds_and_pickles_are_refused_with_the_fix(tmp_path):
+def test_unsupported_architectures_kinds_and_pickles_are_refused_with_the_fix(tmp_path, llama_cpp):
     from safetensors.torch import save_file
     import torch
 

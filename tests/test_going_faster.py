@@ -58,10 +58,11 @@ def test_the_committed_plain_against_fast_table_names_gpu_date_and_command(tmp_p
     assert plain_vs_fast_markdown(tmp_path / "missing.json") is None  # a copy without bench/results
 
 
-def test_a_failed_live_run_says_why_with_its_last_lines(tmp_path):
+def test_a_failed_live_run_says_why_with_its_last_lines(tmp_path, tiny_model_dir):
     from nb_helpers.ui.benchmarks import train_in_fresh_process
 
-    cfg = RunConfig(train_file=str(tmp_path / "no-such-rows.jsonl"), runs_dir=str(tmp_path / "runs"),
+    cfg = RunConfig(model=str(tiny_model_dir), train_file=str(tmp_path / "no-such-rows.jsonl"),
+                    runs_dir=str(tmp_path / "runs"),
                     run_name="plain", max_steps=1)
     with pytest.raises(RuntimeError, match=r"run plain failed \(exit \d+\); its last lines:\n(.|\n)*no-such-rows"):
         train_in_fresh_process(cfg)

@@ -120,7 +120,7 @@ def test_no_gpu_plans_the_course_card_and_an_unknown_gpu_none(monkeypatch, no_gp
     assert st.timing_gpu(RunConfig()) is st.H200
 
 
-def test_the_plan_panel_of_notebooks_02_and_03_shows_the_time_for_the_card():
+def test_the_plan_panel_of_notebooks_02_and_03_shows_the_time_for_the_card(no_gpu):  # card unset: the course card
     from nb_helpers.ui.widgets import plan_widget
 
     view = plan_widget(RunConfig(), known_shape("tinyllama-1.1b"))  # no GPU here: the course's GTX 1650

@@ -19,7 +19,7 @@ def controls_of(box):
     return {c.description: c for c in box.children[:-1]}
 
 
-def test_verdict_line_budget_source_and_breakdown(tiny_model_dir, tiny_cfg):
+def test_verdict_line_budget_source_and_breakdown(tiny_model_dir, tiny_cfg, no_gpu):  # card unset: the course card
     import torch
 
     view = plan_widget(tiny_cfg, load_shape(tiny_model_dir))
@@ -71,7 +71,7 @@ TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers"
              "tie_word_embeddings": False}
 
 
-def test_gradient_checkpointing_off_can_stop_it_fitting_on_4gb(tmp_path):
+def test_gradient_checkpointing_off_can_stop_it_fitting_on_4gb(tmp_path, no_gpu):  # judged on the course card
     import json
 
     from nb_helpers.config import RunConfig
