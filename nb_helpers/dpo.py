@@ -172,6 +172,25 @@ def finish_preference_run(run_dir: Path, model, model_name: str, extra: dict, me
     return summary
 
 
+def sft_run_scores(sft_run: Path, rows: list[dict], max_new_tokens: int) -> dict | None:
+    """The SFT run's own task scores of `rows` (as evaluate_task returns them), from its predictions.jsonl: notebook
+    03 scored the tuned model greedily on the same held-out prompts, so scoring it again would repeat that work
+    answer for answer. None when that run scored other prompts, fewer of them, or with another answer length."""
+    path = Path(sft_run) / "predictions.jsonl"
+    if not path.exists() or read_json(Path(sft_run) / "config.json").get("max_new_tokens") != max_new_tokens:
+        return None
+    from nb_helpers.data import answer_text, prompt_messages
+    from nb_helpers.task_metric import metric_name
+
+    saved = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    wanted = [(prompt_messages(r)[-1]["content"], answer_text(r)) for r in rows]
+    if not rows or [(p["prompt"], p["reference"]) for p in saved[:len(rows)]] != wanted:
+        return None
+    predictions = [{k: p[k] for k in ("prompt", "reference", "prediction", "score")} for p in saved[:len(rows)]]
+    return {"metric": metric_name(answer_text(rows[0])), "score": sum(p["score"] for p in predictions) / len(rows),
+            "predictions": predictions}
+
+
 def predictions_file(run_dir: Path, before: dict, after: dict) -> None:
     """predictions.jsonl as an SFT run writes it: the SFT model's answer as `base`, DPO's as the tuned one."""
     with open(Path(run_dir) / "predictions.jsonl", "w", encoding="utf-8") as f:

@@ -219,3 +219,22 @@ def test_a_tiny_dpo_run_starts_from_the_sft_adapter_and_writes_a_run_folder(shar
     assert saved == sorted(p.name for p in (sft_run / "adapter").iterdir())  # what notebook 05 and export read
     assert is_preference_run(run_dir) and not is_preference_run(sft_run) and summary["steps"] == 2
     assert sft_runs(cfg) == [sft_run]  # a DPO run is never where the next DPO starts
+
+
+def test_the_sft_models_task_score_is_read_from_its_run_not_measured_again(shared_run):
+    """Notebook 07's "before": the SFT run scored the same held-out prompts greedily; its predictions.jsonl is reused
+    only when it covers exactly these prompts (and references) at the same answer length."""
+    from nb_helpers.data import load_rows
+    from nb_helpers.dpo import sft_run_scores
+
+    cfg, sft_run = shared_run
+    summary = json.loads((sft_run / "summary.json").read_text())
+    rows = load_rows(cfg.eval_file, cfg, cfg.task_eval_samples)
+    scores = sft_run_scores(sft_run, rows, cfg.max_new_tokens)
+    assert scores["score"] == pytest.approx(summary["task_tuned"]) and len(scores["predictions"]) == len(rows)
+    assert scores["metric"] == summary["task_metric"]
+    assert sft_run_scores(sft_run, rows[:1], cfg.max_new_tokens)["predictions"] == scores["predictions"][:1]
+    assert sft_run_scores(sft_run, rows, cfg.max_new_tokens + 1) is None  # other answer length: measured again
+    other = load_rows(cfg.eval_file, cfg, cfg.task_eval_samples + 1)[1:]
+    assert sft_run_scores(sft_run, other, cfg.max_new_tokens) is None  # other prompts
+    assert sft_run_scores(sft_run, load_rows(cfg.eval_file, cfg, 5), cfg.max_new_tokens) is None  # more than it scored
