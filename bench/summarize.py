@@ -153,6 +153,18 @@ def cpu(run: dict | None) -> dict | None:
                                              "stopped_after_s", "median_step_s", "tokens_per_s")} for row in r["rows"]]}
 
 
+def course(runs: list[dict]) -> list[dict]:
+    """Every timed fresh-clone course (bench/course_time.py), oldest first: setup, make run, make test, per notebook."""
+    rows = []
+    for run in runs:
+        r = run["results"]
+        env = run.get("environment") or {}
+        rows.append({**source(run), "as_avx2": env.get("ATEN_CPU_CAPABILITY") == "avx2",
+                     **{k: r.get(k) for k in ("setup_s", "run_s", "run_exit", "test_s", "test_exit", "notebooks_s")},
+                     "sft": (r.get("runs") or {}).get("sft"), "dpo": (r.get("runs") or {}).get("dpo")})
+    return rows
+
+
 def planner(validation: dict | None, from_cpu: dict | None) -> dict | None:
     if not validation:
         return None
@@ -302,6 +314,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "plain_vs_reference": plain_vs_reference(tp),
         "gtx1650_emulated": gtx1650(tp),
         "cpu": cpu(newest(by_kind.get("cpu", []))),
+        "course": course(by_kind.get("course", [])),
         "planner": planner(newest(by_kind.get("planner-validation", [])), newest(by_kind.get("planner-from-cpu", []))),
         "step_time": step_time(newest(by_kind.get("step-time-model", []))),
         "multi_gpu": multi_gpu(list(seqs.values())),
@@ -489,6 +502,27 @@ def markdown(data: dict) -> str:
             out.append(f"| {'itself' if row['isa_limit'] == 'native' else 'AVX2 only'} | {row['variant']} | "
                        f"{row['compute_dtype']} | {row['threads']} | {n(row['median_step_s'], 2)}{stopped} | "
                        f"{n(row['tokens_per_s'], 1)} |")
+        out += refs.lines()
+
+    if data.get("course"):
+        refs = Refs()
+        out += ["", "## The course on a CPU: a fresh clone's `make setup`, `make run` and `make test`", "",
+                "`python bench/course_time.py --test`: a fresh clone of the commit, each command timed as a learner runs "
+                "it (make run as `make executed`: the same notebooks, their copies kept). Task metric: notebook 03's "
+                "SFT run, base → tuned, on 60 held-out prompts; DPO: notebook 07's held-out reward accuracy and the "
+                "task metric of the SFT model → after DPO.", "",
+                "| machine | setup | make run | per notebook (s) | make test | SFT task metric | DPO reward accuracy, "
+                "task metric | measured |", "|---|---|---|---|---|---|---|---|"]
+        for c in data["course"]:
+            per = ", ".join(f"{name[:2]}: {sec}" for name, sec in (c["notebooks_s"] or {}).items())
+            sft, dpo = c["sft"] or {}, c["dpo"] or {}
+            test = "–" if c["test_s"] is None else f"{c['test_s'] / 60:.1f} min" + (
+                "" if c["test_exit"] == 0 else f" (exit {c['test_exit']})")
+            out.append(f"| {c['machine']}{' as AVX2' if c['as_avx2'] else ''} | {n(c['setup_s'])} s | "
+                       f"{c['run_s'] / 60:.1f} min{'' if c['run_exit'] == 0 else ' (failed)'} | {per} | {test} | "
+                       f"{n(sft.get('task_base'), 3)} → {n(sft.get('task_tuned'), 3)} | "
+                       f"{n(dpo.get('pairs_reward_accuracy'), 3)}, {n(dpo.get('task_base'), 3)} → "
+                       f"{n(dpo.get('task_tuned'), 3)} | {c['date']} {refs(c)} |")
         out += refs.lines()
 
     rp = data["reproducibility"]
