@@ -510,7 +510,8 @@ def markdown(data: dict) -> str:
                 "`python bench/course_time.py --test`: a fresh clone of the commit, each command timed as a learner runs "
                 "it (make run as `make executed`: the same notebooks, their copies kept). Task metric: notebook 03's "
                 "SFT run, base → tuned, on 60 held-out prompts; DPO: notebook 07's held-out reward accuracy and the "
-                "task metric of the SFT model → after DPO.", "",
+                "task metric of the SFT model → after DPO. A `make test` that failed shows its exit code and the time to the "
+                "failure (the unit tests stop it before the notebooks run).", "",
                 "| machine | setup | make run | per notebook (s) | make test | SFT task metric | DPO reward accuracy, "
                 "task metric | measured |", "|---|---|---|---|---|---|---|---|"]
         for c in data["course"]:

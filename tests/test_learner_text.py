@@ -23,8 +23,8 @@ BOOKKEEPING = {
     "session number": re.compile(r"(?<![A-Za-z])sessions?[\s_-]*#?\d+", re.I),
     "issue number": re.compile(r"(?<![A-Za-z])issues?[\s_-]*#?\d+", re.I),
     # 7-40 hex digits, at least one digit and one letter a-f, as a whole word; not after "#" (a colour, #1f77b4),
-    # nor "0x" (0x1f is not a word of its own) nor inside a longer word or number
-    "commit hash": re.compile(r"(?<![\w#])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?!\w)"),
+    # nor "0x" (0x1f is not a word of its own) nor inside a longer word or number (8.29696364235133e-06)
+    "commit hash": re.compile(r"(?<![\w#.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?!\w)"),
 }
 
 
@@ -45,6 +45,7 @@ def cell_texts(path: Path):
             texts += [output.get("evalue", "")] + output.get("traceback", [])
             for text in texts:
                 text = "".join(text) if isinstance(text, list) else str(text)
+                text = re.sub(r"data:[\w/+.-]+;base64,[A-Za-z0-9+/=]+", "data:(an image)", text)  # a figure in HTML
                 if text:
                     yield f"{where} output", text
 
