@@ -9,7 +9,9 @@ Each variant runs in a fresh process, because the ISA limits are read when torch
           AVX2-only CPUs most laptops and desktops have (no AVX-512, no AMX, so no native bf16)
 
 A variant is `python -m nb_helpers train` on the shipped data with the CPU profile's knobs, no evaluation and
-no task scoring, for --steps optimizer steps. It reports the median seconds per optimizer step after the first
+no task scoring, for --steps optimizer steps. A "DPO" variant is notebook 07's DPO step instead (the shipped pairs,
+DPOConfig from nb_helpers.dpo.dpo_arguments, the reference = a frozen copy of the adapter), on a fresh adapter: the
+speed is the same as on the SFT one. It reports the median seconds per optimizer step after the first
 one (which pays for allocation), and non-padding tokens per second. A variant that passes --timeout is stopped
 and reported with the steps it finished (bf16 on AVX2 is the slow case this bench exists to show).
 """
@@ -46,6 +48,12 @@ def variants() -> list[tuple[str, dict]]:
         ("16-bit base (no 4-bit)", {"load_in_4bit": False}),
         ("1 thread", {"__threads": 1}),
         ("1 x 8 (the reference's batch)", {"micro_batch_size": 1, "grad_accum": 8}),
+        ("8 x 1", {"micro_batch_size": 8, "grad_accum": 1}),
+        ("2 x 4", {"micro_batch_size": 2, "grad_accum": 4}),
+        ("DPO: profile", {"__dpo": True}),
+        ("DPO: 8 x 1 pairs", {"__dpo": True, "micro_batch_size": 8, "grad_accum": 1}),
+        ("DPO: 2 x 4 pairs", {"__dpo": True, "micro_batch_size": 2, "grad_accum": 4}),
+        ("DPO: 1 x 8 pairs", {"__dpo": True, "micro_batch_size": 1, "grad_accum": 8}),
     ]
 
 
@@ -83,14 +91,39 @@ def worker(spec: dict) -> None:
     cfg = RunConfig(**{**CPU_OVERRIDES, **spec["changes"], "max_steps": spec["steps"], "eval_file": None,
                        "task_eval_samples": 0, "eval_steps": 0, "save_steps": 10_000,
                        "runs_dir": spec["runs_dir"], "run_name": "bench"})
-    train(cfg, verbose=False)
+    if spec.get("dpo"):
+        dpo_steps(cfg.replace(dpo_max_steps=spec["steps"]), Path(spec["runs_dir"]) / "bench")
+    else:
+        train(cfg, verbose=False)
+
+
+def dpo_steps(cfg, run_dir: Path) -> None:
+    """Notebook 07's DPO trainer for cfg.dpo_max_steps steps, its metrics.jsonl in run_dir."""
+    from peft import get_peft_model
+    from trl import DPOConfig, DPOTrainer
+
+    from nb_helpers.dpo import PreferenceMetrics, adapt_dpo_trainer, dpo_arguments
+    from nb_helpers.lora import lora_config
+    from nb_helpers.models import load_4bit, load_tokenizer, resolve_model
+    from nb_helpers.pairs import load_pairs, pair_dataset
+
+    choice = resolve_model(cfg, verbose=False)
+    tokenizer = load_tokenizer(choice.path)
+    pairs = load_pairs(cfg.pairs_train_file, cfg, None, tokenizer)
+    model = get_peft_model(load_4bit(cfg, choice), lora_config(cfg))
+    run_dir.mkdir(parents=True)
+    trainer = DPOTrainer(model=model, args=DPOConfig(**dpo_arguments(cfg, run_dir / "checkpoints", has_eval=False)),
+                         train_dataset=pair_dataset(pairs), processing_class=tokenizer,
+                         callbacks=[PreferenceMetrics(run_dir / "metrics.jsonl")])
+    adapt_dpo_trainer(trainer, cfg)
+    trainer.train()
 
 
 def run_variant(isa: str, name: str, changes: dict, steps: int, timeout: float) -> dict:
     changes = dict(changes)
-    threads = changes.pop("__threads", None)
+    threads, dpo = changes.pop("__threads", None), changes.pop("__dpo", False)
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"changes": changes, "steps": steps, "runs_dir": tmp, "threads": threads}
+        spec = {"changes": changes, "steps": steps, "runs_dir": tmp, "threads": threads, "dpo": dpo}
         env = {**os.environ, **ISA_LIMITS[isa], "PYTHONUNBUFFERED": "1"}
         started = time.time()
         try:
@@ -107,12 +140,13 @@ def run_variant(isa: str, name: str, changes: dict, steps: int, timeout: float) 
     records = [r for r in records if "loss" in r]
     timed = records[1:] if len(records) > 1 else records
     step_s = statistics.median(r["step_s"] for r in timed) if timed else None
-    tokens = statistics.median(r["tokens"] for r in timed) if timed else None
-    return {"isa_limit": isa, "variant": name, "changes": changes, "threads": report.get("threads"),
+    counted = [r["tokens"] for r in timed if r.get("tokens")]
+    tokens = statistics.median(counted) if counted else None  # DPO steps: TRL counts no tokens there
+    return {"isa_limit": isa, "variant": name, "phase": "dpo" if dpo else "sft", "changes": changes, "threads": report.get("threads"),
             "compute_dtype": changes.get("compute_dtype") or report.get("auto_dtype"),
             "steps_done": len(records), "stopped_after_s": round(time.time() - started) if stopped else None,
             "median_step_s": None if step_s is None else round(step_s, 3),
-            "tokens_per_s": None if not step_s else round(tokens / step_s, 1),
+            "tokens_per_s": None if not (step_s and tokens) else round(tokens / step_s, 1),
             "losses": [round(r["loss"], 4) for r in records], "torch_sees": report}
 
 

@@ -144,13 +144,22 @@ def newest(runs: list[dict]) -> dict | None:
     return runs[-1] if runs else None
 
 
-def cpu(run: dict | None) -> dict | None:
-    if not run:
+def cpu(runs: list[dict]) -> dict | None:
+    """The newest measurement of each variant per ISA limit (a run may measure only some: --variants), each row with
+    its batch (the profile it ran under, with the variant's change) and the run that measured it."""
+    if not runs:
         return None
-    r = run["results"]
-    return {**source(run), "steps": r["steps"],
-            "rows": [{k: row.get(k) for k in ("isa_limit", "variant", "compute_dtype", "threads", "steps_done",
-                                             "stopped_after_s", "median_step_s", "tokens_per_s")} for row in r["rows"]]}
+    rows = {}
+    for run in runs:
+        r = run["results"]
+        for row in r["rows"]:
+            shape = {**r["profile"], **(row.get("changes") or {})}
+            rows[(row["isa_limit"], row["variant"])] = {
+                **{k: row.get(k) for k in ("isa_limit", "variant", "compute_dtype", "threads", "steps_done",
+                                           "stopped_after_s", "median_step_s", "tokens_per_s")},
+                "phase": row.get("phase", "sft"), "batch": f"{shape['micro_batch_size']} × {shape['grad_accum']}",
+                "steps": r["steps"], **source(run)}
+    return {"rows": sorted(rows.values(), key=lambda row: (row["isa_limit"] != "native", row["phase"] == "dpo"))}
 
 
 def course(runs: list[dict]) -> list[dict]:
@@ -313,7 +322,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "throughput": throughput(tp),
         "plain_vs_reference": plain_vs_reference(tp),
         "gtx1650_emulated": gtx1650(tp),
-        "cpu": cpu(newest(by_kind.get("cpu", []))),
+        "cpu": cpu(by_kind.get("cpu", [])),
         "course": course(by_kind.get("course", [])),
         "planner": planner(newest(by_kind.get("planner-validation", [])), newest(by_kind.get("planner-from-cpu", []))),
         "step_time": step_time(newest(by_kind.get("step-time-model", []))),
@@ -492,16 +501,19 @@ def markdown(data: dict) -> str:
     if c:
         refs = Refs()
         out += ["", "## CPU: training speed per instruction set and dtype", "",
-                f"The CPU profile (SmolLM2-135M, 8 × 1, 256 tokens), {c['steps']} optimizer steps per variant, the "
-                f"first not timed; each change measured alone, on this CPU as it is and limited to AVX2. "
-                f"{c['machine']}, {c['date']} {refs(c)}.", "",
-                "| CPU as | variant | dtype | threads | s/step | tokens/s |", "|---|---|---|---|---|---|"]
+                "SmolLM2-135M at 256 tokens, the CPU profile with one change per variant (the batch column shows "
+                "micro-batch × accumulation, the effective batch is 8 in every row); each run times a few optimizer "
+                "steps per variant, the first not timed; on the CPU as it is and limited to AVX2. A DPO row is one "
+                "step of notebook 07 (8 pairs: chosen, rejected and the reference forward).", "",
+                "| CPU as | variant | batch | dtype | threads | s/step | tokens/s | measured |",
+                "|---|---|---|---|---|---|---|---|"]
         for row in c["rows"]:
             stopped = f" (stopped after {row['stopped_after_s']:g} s, {row['steps_done']} steps)" \
                 if row["stopped_after_s"] else ""
             out.append(f"| {'itself' if row['isa_limit'] == 'native' else 'AVX2 only'} | {row['variant']} | "
-                       f"{row['compute_dtype']} | {row['threads']} | {n(row['median_step_s'], 2)}{stopped} | "
-                       f"{n(row['tokens_per_s'], 1)} |")
+                       f"{row['batch']} | {row['compute_dtype']} | {row['threads']} | "
+                       f"{n(row['median_step_s'], 2)}{stopped} | {n(row['tokens_per_s'], 1)} | {row['machine']}, "
+                       f"{row['date']} {refs(row)} |")
         out += refs.lines()
 
     if data.get("course"):

@@ -155,7 +155,7 @@ class RunConfig:
     skip_invalid: bool = False  # True drops invalid rows (their line numbers are printed) instead of stopping
     # --- task evaluation (generation on held-out prompts) ------------------------------------
     task_eval_samples: int = 60  # 0 skips the base-vs-tuned comparison
-    max_new_tokens: int = 80
+    max_new_tokens: int = 64  # the shipped answers are 38-42 tokens; every generated token costs time: raise it for yours
     # --- run folder and budget -------------------------------------------------------------
     runs_dir: str = "runs"
     run_name: str | None = None  # None = timestamp + model + rank
@@ -419,17 +419,20 @@ CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=19
                     max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
                     dpo_max_steps=3, runs_dir="runs/ci")
 
-# CPU, each change measured on 2 cores (bench/RESULTS.md, README "CPU profile"):
-# - batch 8 x 1 instead of 1 x 8: the same effective batch, so the same optimisation, several times faster;
+# CPU, each change measured on 2 cores (bench/RESULTS.md, "CPU: training speed per instruction set and dtype"):
+# - batch 4 x 2 instead of 1 x 8: the same effective batch, so the same optimisation. As AVX2 an SFT step took 5.9 s
+#   at 4 x 2 and at 8 x 1, 6.8 s at 2 x 4, 7.2 s at 1 x 8; a DPO step of 8 pairs 15.4 s at 4 x 2, 22.2 s at 8 x 1
+#   (16 sequences a forward), 16.8 s at 1 x 8;
 # - no gradient checkpointing: recomputing activations cost 12-22% per step (measured), and host RAM holds them easily;
-# - 35 steps at lr 4e-4 instead of 70 at 2e-4: the same held-out score (0.958 against 0.956) in half the steps;
+# - 35 steps at lr 4e-4 instead of 70 at 2e-4: the same held-out score (0.958 against 0.956) in half the steps; 30
+#   steps scored 0.944;
+# - eval loss every 12 steps: the curve notebook 04 plots at steps 0, 12, 24 and 35 (each eval: 60 rows, ~13 s);
 # - adamw_8bit: the same 8-bit AdamW; paging (CUDA managed memory, tensors >= 100k values) does not exist on a CPU.
-# - DPO (notebook 07): 6 steps of 8 pairs at lr 1e-4. On 2 cores as AVX2, from the course's SFT run (task 0.967 on 30
-#   held-out prompts): held-out reward accuracy 0.91 and the task metric unchanged, ~100 s of training. At lr 5e-4,
-#   10 steps reached 0.84 while the task metric fell to 0.21 (the chosen answers lost probability too); 5e-5 needed
-#   10 steps for 0.91. The course's own run of these settings is in bench/RESULTS.md ("The course on a CPU").
-CPU_OVERRIDES = dict(micro_batch_size=8, grad_accum=1, gradient_checkpointing=False, max_steps=35,
-                     learning_rate=4e-4, optim="adamw_8bit", max_length=256, eval_steps=10, dpo_max_steps=6,
+# - DPO (notebook 07): 6 steps of 8 pairs at lr 1e-4: held-out reward accuracy 0.90 and the task metric unchanged
+#   from the course's SFT run, ~90 s of training; at lr 2e-4 the task metric fell (0.958 -> 0.942), at 5e-4 to 0.21
+#   (the chosen answers lost probability too). The course's own run is in bench/RESULTS.md ("The course on a CPU").
+CPU_OVERRIDES = dict(micro_batch_size=4, grad_accum=2, gradient_checkpointing=False, max_steps=35,
+                     learning_rate=4e-4, optim="adamw_8bit", max_length=256, eval_steps=12, dpo_max_steps=6,
                      dpo_learning_rate=1e-4)
 
 

@@ -457,6 +457,14 @@ def load_train_eval(cfg: RunConfig, tokenizer=None):
     return train_rows, eval_rows
 
 
+def load_task_rows(cfg: RunConfig, tokenizer=None) -> list[dict]:
+    """The held-out prompts the task metric scores: the first task_eval_samples rows of the eval file, however many
+    rows the eval loss reads (max_eval_samples)."""
+    if not (cfg.eval_file and cfg.task_eval_samples):
+        return []
+    return load_rows(cfg.eval_file, cfg, cfg.task_eval_samples, tokenizer)
+
+
 def prompt_messages(row: dict) -> list[dict]:
     return row["prompt"]
 

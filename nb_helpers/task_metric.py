@@ -67,7 +67,7 @@ class _TickEachToken:
         return scores
 
 
-def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 80,
+def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 64,
              batch_size: int | None = None, label: str | None = None) -> list[str]:
     """Greedy answers for a list of chat prompts, batched with left padding, with a progress bar per decoding
     step where someone watches (nb_helpers.frontend): one batch on a CPU can take minutes.
@@ -114,7 +114,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     return answers
 
 
-def evaluate_task(model, tokenizer, rows: list[dict], max_new_tokens: int = 80,
+def evaluate_task(model, tokenizer, rows: list[dict], max_new_tokens: int = 64,
                   label: str = "scoring held-out prompts") -> dict:
     """Mean task score on `rows`, with every prediction kept for inspection. `label` names the progress bar."""
     if not rows or "prompt" not in rows[0]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from nb_helpers import distributed, fast
 from nb_helpers.autofit import fit_to_budget, keep_graphs_within_budget
 from nb_helpers.config import ConfigError, RunConfig, check_environment
-from nb_helpers.data import load_train_eval, to_dataset
+from nb_helpers.data import load_task_rows, load_train_eval, to_dataset
 from nb_helpers.distributed import resume_note, split_over_processes
 from nb_helpers.plan.dtypes import resolve_compute_dtype
 from nb_helpers.plan.step_time import predicted_time
@@ -59,7 +59,8 @@ class TrainingRun:
     choice: ModelChoice | None = None
     tokenizer: object = None
     train_rows: list = field(default_factory=list)
-    eval_rows: list = field(default_factory=list)
+    eval_rows: list = field(default_factory=list)  # the eval loss's rows (max_eval_samples)
+    task_rows: list = field(default_factory=list)  # the task metric's prompts (task_eval_samples)
     summary: dict = field(default_factory=dict)  # what summary.json adds to the measured keys (nb_helpers.summary)
     resume_dir: Path | None = None
     checkpoint: str | None = None  # the checkpoint a resumed run continues from
@@ -85,10 +86,6 @@ class TrainingRun:
     @property
     def text_rows(self) -> bool:
         return bool(self.train_rows) and "text" in self.train_rows[0]
-
-    @property
-    def task_rows(self) -> list:
-        return self.eval_rows[: self.cfg.task_eval_samples] if self.cfg.task_eval_samples else []
 
     @property
     def callbacks(self) -> list:
@@ -166,8 +163,8 @@ def prepare_checked(cfg: RunConfig, resume_dir: Path | None, verbose: bool) -> T
     cfg = preflight(cfg, choice, verbose)
     train_rows, eval_rows = load_train_eval(cfg, tokenizer)
     summary.update(compute_dtype=resolve_compute_dtype(cfg.compute_dtype), versions=package_versions())
-    run = TrainingRun(cfg, choice, tokenizer, train_rows, eval_rows, summary, resume_dir,
-                      str(checkpoint) if checkpoint else None, training_done=done, world_size=world)
+    run = TrainingRun(cfg, choice, tokenizer, train_rows, eval_rows, load_task_rows(cfg, tokenizer), summary,
+                      resume_dir, str(checkpoint) if checkpoint else None, training_done=done, world_size=world)
     apply_budget(run)
     predict_memory(run, verbose)
     return run

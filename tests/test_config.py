@@ -59,7 +59,7 @@ def test_cpu_profile_keeps_the_effective_batch(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = default_config()
     assert cfg.effective_batch == RunConfig().effective_batch
-    assert cfg.micro_batch_size == 8 and cfg.grad_accum == 1
+    assert (cfg.micro_batch_size, cfg.grad_accum) == (4, 2)  # measured: as fast as 8 x 1 for SFT, faster for DPO
     assert "no CUDA GPU" in capsys.readouterr().out
 
 

@@ -102,3 +102,16 @@ def test_training_tokens_are_what_sfttrainer_trains_on(tiny_model_dir, tmp_path)
         assert ours["input_ids"] == theirs["input_ids"] and ours["labels"] == theirs["labels"]
         answer = tokenizer.decode([t for t in ours["labels"] if t != -100])
         assert answer == row["completion"][0]["content"] + tokenizer.eos_token + "\n"  # the answer and its end of turn
+
+
+def test_the_task_metric_prompts_do_not_shrink_with_the_eval_loss_rows():
+    """max_eval_samples bounds the eval loss's rows, task_eval_samples the task metric's prompts: one no longer caps
+    the other (the task rows were the eval rows' head, so fewer eval rows silently meant fewer scored prompts)."""
+    from nb_helpers.data import load_task_rows, load_train_eval
+
+    cfg = RunConfig(max_eval_samples=3, task_eval_samples=5)
+    task, (_, eval_rows) = load_task_rows(cfg), load_train_eval(cfg)
+    assert len(eval_rows) == 3 and len(task) == 5
+    assert task[:3] == eval_rows  # the same file's first rows: the prompts notebook 07 reuses the scores of
+    assert load_task_rows(cfg.replace(task_eval_samples=0)) == []
+    assert load_task_rows(cfg.replace(eval_file=None)) == []

@@ -113,7 +113,7 @@ def answer(llm, tokens: list[int]) -> str:
     return llm.detokenize(kept, special=False).decode("utf-8", "replace")
 
 
-def llama_cpp_answers(path: str | Path, conversations: list[list[dict]], max_new_tokens: int = 80,
+def llama_cpp_answers(path: str | Path, conversations: list[list[dict]], max_new_tokens: int = 64,
                       lora_path: str | Path | None = None) -> list[str]:
     """llama.cpp's greedy answers to chat prompts, from the file (and adapter) as Ollama would run them."""
     llm = open_gguf(path, lora_path)
