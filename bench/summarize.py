@@ -309,6 +309,35 @@ def lever_memory(run: dict | None) -> dict | None:
             **source(run)}
 
 
+def dpo(runs: list[dict]) -> dict | None:
+    """bench/dpo.py: the newest measurement of each (shape, length, run), with the planner's prediction beside its
+    peak; and, where one run file measured TRL's plain DPO beside ours at a point, their speed and memory (same-call
+    ratios only)."""
+    if not runs:
+        return None
+    points, speed = {}, []
+    for run in runs:
+        by_point: dict[tuple, dict] = {}
+        for p in run["results"]["points"]:
+            row = {k: p.get(k) for k in ("shape", "seq", "run", "micro_batch", "accum", "gc", "returncode",
+                                         "median_step_s", "tokens_per_s", "peak_device_gib", "peak_reserved_gib",
+                                         "predicted_here_gib", "predicted_phase", "planner_error",
+                                         "predicted_gtx1650_gib", "gtx1650_budget_gib")}
+            row.update(source(run))
+            points[(p["shape"], p["seq"], p["run"])] = row
+            by_point.setdefault((p["shape"], p["seq"]), {})[p["run"]] = row
+        for (shape, seq), runs_here in by_point.items():
+            plain = runs_here.get("plain")
+            if plain and plain.get("tokens_per_s"):
+                speed.append({"shape": shape, "seq": seq, "plain": plain, **source(run), **{
+                    name: {**runs_here[name], "speedup": runs_here[name]["tokens_per_s"] / plain["tokens_per_s"]}
+                    for name in ("ours", "ours-fit") if (runs_here.get(name) or {}).get("tokens_per_s")}})
+    validated = [p for p in points.values() if p.get("planner_error") is not None]
+    return {"points": sorted(points.values(), key=lambda p: (p["shape"], p["seq"], p["run"])),
+            "within_10_percent": sum(abs(p["planner_error"]) <= 0.10 for p in validated), "validated": len(validated),
+            "speed": speed}
+
+
 def latest(runs_dir: Path = RUNS) -> dict:
     by_kind: dict[str, list[dict]] = {}
     for run in load_runs(runs_dir=runs_dir):
@@ -332,6 +361,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "lever_gains": lever_gains(sorted([r for r in by_kind.get("lever-gains", []) + tp if "--gains" in
                                            str(r.get("command"))], key=lambda r: order(r, r["file"]))),
         "lever_memory": lever_memory(newest(by_kind.get("lever-memory", []))),
+        "dpo": dpo(by_kind.get("dpo", [])),
     }
 
 
@@ -581,6 +611,38 @@ def markdown(data: dict) -> str:
                 "", "| lever | where taking it out changes auto-fit's choice |", "|---|---|"]
         for lever, where in lm["levers"].items():
             out.append(f"| `{lever}` | {'; '.join(where) if where else 'nowhere'} |")
+        out += refs.lines()
+    d = data.get("dpo")
+    if d:
+        refs = Refs()
+        out += ["", "## DPO (notebook 07) under the GTX 1650 preset", "",
+                "`bench/dpo.py`: each run a fresh process, its allocator capped where the GTX 1650's would be; random "
+                "weights of the real shapes, prompt + answer rows of the length shown, 8 pairs an optimizer step. "
+                "*plain* is TRL's DPO recipe for QLoRA as its documentation writes it (a fresh adapter, the reference = "
+                "the adapter disabled); *ours* notebook 07's DPOConfig on an adapter; *ours-fit* the same with the "
+                "micro-batch and checkpointing the planner picks for the card. The planner's peak (nb_helpers.plan."
+                f"preference, for this GPU's context) against the measured NVML peak: {d['within_10_percent']} of "
+                f"{d['validated']} points within ±10%.", "",
+                "| model shape | tokens | run | batch, GC | s/step | tokens/s | peak GiB (NVML) | planned GiB | error "
+                "| planned for the GTX 1650 / its budget | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in d["points"]:
+            failed = "" if p["returncode"] == 0 else f" (exit {p['returncode']})"
+            error = "–" if p["planner_error"] is None else f"{p['planner_error']:+.1%}"
+            out.append(f"| {p['shape']} | {p['seq']} | {p['run']}{failed} | {p['micro_batch']} × {p['accum']}, "
+                       f"{'on' if p['gc'] else 'off'} | {n(p['median_step_s'], 3)} | {n(p['tokens_per_s'])} | "
+                       f"{n(p['peak_device_gib'], 2)} | {n(p['predicted_here_gib'], 2)} | {error} | "
+                       f"{n(p['predicted_gtx1650_gib'], 2)} / {n(p['gtx1650_budget_gib'], 2)} | {p['machine']}, "
+                       f"{p['date']} {refs(p)} |")
+        if d["speed"]:
+            out += ["", "Same run, same point: ours against TRL's plain DPO recipe.", "",
+                    "| model shape | tokens | plain tokens/s, peak GiB | ours | ours-fit | measured |",
+                    "|---|---|---|---|---|---|"]
+            for sp in d["speed"]:
+                cells = [f"{n(sp[k]['tokens_per_s'])}, {n(sp[k]['peak_device_gib'], 2)} ({sp[k]['speedup']:.2f}×)"
+                         if k in sp else "–" for k in ("ours", "ours-fit")]
+                out.append(f"| {sp['shape']} | {sp['seq']} | {n(sp['plain']['tokens_per_s'])}, "
+                           f"{n(sp['plain']['peak_device_gib'], 2)} | {cells[0]} | {cells[1]} | {sp['machine']}, "
+                           f"{sp['date']} {refs(sp)} |")
         out += refs.lines()
     return "\n".join(out) + "\n"
 

@@ -252,3 +252,33 @@ def test_busy_time_is_the_union_of_intervals_and_compute_leaves_the_copies_out()
     assert union_ns(kernels) == 30  # 0-20 and 30-40
     assert union_ns(kernels + copies) == 40  # the copy fills 20-30
     assert union_ns([]) == 0
+
+
+def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(tmp_path):
+    """bench/dpo.py's run files: each point's planner error counted against ±10%, the newest measurement of a point
+    kept, and a speed ratio only between runs of the same file."""
+    import summarize
+
+    def point(run, seq, tokens_per_s, peak, planned, batch=1):
+        return {"shape": "tinyllama-1.1b", "seq": seq, "run": run, "micro_batch": batch, "accum": 8 // batch,
+                "gc": batch == 1, "returncode": 0, "median_step_s": 1.0, "tokens_per_s": tokens_per_s,
+                "peak_device_gib": peak, "predicted_here_gib": planned, "planner_error": planned / peak - 1,
+                "predicted_gtx1650_gib": 3.0, "gtx1650_budget_gib": 3.46}
+
+    def write(name, points):
+        (tmp_path / name).write_text(json.dumps({"format": 1, "kind": "dpo", "date": name[:10], "command":
+                                                 "python bench/dpo.py", "commit": "x", "machine": {"gpu": "G"},
+                                                 "results": {"points": points}}))
+
+    write("2026-12-01-dpo-a.json", [point("ours", 512, 100.0, 2.0, 3.0)])  # superseded by the newer run below
+    write("2026-12-02-dpo-b.json", [point("plain", 512, 100.0, 2.0, 2.1), point("ours", 512, 150.0, 2.2, 2.3),
+                                    point("ours-fit", 512, 400.0, 3.0, 3.5, batch=4),
+                                    point("ours", 1024, 90.0, 2.5, 2.6)])
+    d = summarize.latest(tmp_path)["dpo"]
+    assert [(p["seq"], p["run"]) for p in d["points"]] == [(512, "ours"), (512, "ours-fit"), (512, "plain"),
+                                                          (1024, "ours")]
+    assert (d["within_10_percent"], d["validated"]) == (3, 4)  # ours-fit planned 3.5 against 3.0: +17%
+    (speed,) = d["speed"]
+    assert speed["seq"] == 512 and speed["ours-fit"]["speedup"] == 4.0 and speed["ours"]["speedup"] == 1.5
+    text = summarize.markdown(summarize.latest(tmp_path))
+    assert "3 of 4 points within ±10%" in text and "400, 3.00 (4.00×)" in text
