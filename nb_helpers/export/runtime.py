@@ -62,9 +62,10 @@ def open_gguf(path: str | Path, lora_path: str | Path | None = None, n_ctx: int 
     llama.cpp's reason when it refuses the file."""
     llama_cpp = quiet_llama_cpp()
     try:
-        # Half the cores, for prompts too (llama-cpp-python's default takes all of them there): all of them, beside
-        # a notebook kernel's torch threads, made a 135M model 4 to 10 times slower on the course's 2-core machine
-        threads = max((os.cpu_count() or 2) // 2, 1)
+        # Every core, for prompts and decoding alike. With llama.cpp's OpenMP waits passive (require_llama_cpp),
+        # two threads answered 12 prompts in a notebook kernel on the course's 2-core machine in 7.8 s against 12.6 s
+        # for one (Q8_0, after torch had generated in that kernel); with spinning waits, all cores were 10x slower
+        threads = os.cpu_count() or 1
         return llama_cpp.Llama(model_path=str(path), lora_path=str(lora_path) if lora_path else None, n_ctx=n_ctx,
                                n_threads=threads, n_threads_batch=threads, logits_all=logits_all, seed=0,
                                verbose=False)
