@@ -326,6 +326,29 @@ def test_a_lock_file_naming_a_live_process_that_does_not_hold_it_does_not_block(
     release_run_lock(tmp_path)
 
 
+def test_a_filelock_that_ignores_on_acquired_still_locks_and_says_what_it_cannot_do(tmp_path, capsys, monkeypatch):
+    """filelock before 3.30 drops on_acquired without a word (a torch image's copy, under a --no-deps install):
+    the run still takes the OS lock, and says once that it cannot name holders, with the fix."""
+    import filelock
+
+    from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
+
+    class OldFileLock(filelock.FileLock):
+        def __init__(self, *args, on_acquired=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(filelock, "FileLock", OldFileLock)
+    take_run_lock(tmp_path)
+    try:
+        out = capsys.readouterr().out
+        assert "predates 3.30" in out and "pip install 'filelock>=3.30'" in out
+        with pytest.raises(filelock.Timeout):  # another handle, as a second process would try
+            filelock.FileLock(tmp_path / "run.lock").acquire(blocking=False)
+    finally:
+        release_run_lock(tmp_path)
+    assert not (tmp_path / "run.lock").exists()
+
+
 # --- 7. SIGTERM is handled like Ctrl-C --------------------------------------------------------------------------
 
 def test_sigterm_saves_what_ctrl_c_saves_then_exits_143(tiny_cfg, capsys):

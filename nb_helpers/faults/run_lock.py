@@ -36,12 +36,20 @@ def take_run_lock(run_dir: Path) -> None:
     path = Path(run_dir) / LOCK
     if path.absolute() in _held:
         return  # this process already holds it (a notebook re-running its cells)
+    claimed = []
+
+    def on_acquired(handle: int) -> None:
+        claim(path, handle)
+        claimed.append(handle)
+
     # thread_local=False: held by the process, whichever thread releases it (atexit, a notebook's other cell)
-    lock = FileLock(path, thread_local=False, on_acquired=lambda handle: claim(path, handle))
+    lock = FileLock(path, thread_local=False, on_acquired=on_acquired)
     try:
         lock.acquire(blocking=False)
     except Timeout:
         raise RunLocked(held_message(path, read_holder(path))) from None
+    if not claimed:
+        note_unclaimed(path)
     _held[path.absolute()] = lock
     atexit.register(release_run_lock, run_dir)
 
@@ -62,6 +70,16 @@ def claim(path: Path, handle: int) -> None:
     os.lseek(handle, 0, os.SEEK_SET)
     # after a newline: Windows locks the file's first byte, which another process then cannot read (read_holder)
     os.write(handle, b"\n" + json.dumps(mine).encode("utf-8"))
+
+
+def note_unclaimed(path: Path) -> None:
+    """filelock before 3.30 (pyproject's floor, which pip meets; an install with --no-deps beside a torch image's older
+    copy does not) ignores on_acquired without a word, and truncates the lock file on every attempt, so no record of
+    the holder can be kept: the OS lock still keeps a second process out. Say so, once per run."""
+    from importlib import metadata
+
+    print(f"[run] filelock {metadata.version('filelock')} predates 3.30: {path} keeps a second process out but cannot "
+          f"name its holder or report a stale one. Fix: pip install 'filelock>=3.30'")
 
 
 def release_run_lock(run_dir: Path) -> None:
