@@ -45,6 +45,20 @@ else
     { echo "== -m 'not gpu', shard $i of $SHARDS (exit $rc)"; cat "$OUT/shard-$i.log"; } >> "$log"
     rm -f "$OUT/shard-$i.log"; [ $rc -ne 0 ] && status=$rc
   done
+  # Each half deselects the other's tests; together they are the whole suite. Say so, counted from the log
+  collected=$("${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q --collect-only tests 2>/dev/null \
+    | grep -oE "^[0-9]+ tests? collected" | grep -oE "^[0-9]+")
+  "${PY:-python3}" - "$log" "${collected:-0}" >> "$log" <<'PY'
+import re, sys
+counts = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
+for line in open(sys.argv[1], encoding="utf-8"):
+    if re.match(r"^\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s", line):
+        for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", line):
+            counts["errors" if kind.startswith("error") else kind] += int(n)
+ran, collected = sum(counts.values()), int(sys.argv[2])
+print(f"== whole suite: {ran} of the {collected} tests collected ran ({counts['passed']} passed, {counts['skipped']} "
+      f"skipped, {counts['failed']} failed, {counts['errors']} errors); {collected - ran} not run by either half")
+PY
 fi
 grep -E "^(==|FAILED|ERROR)|passed|failed" "$log" | tail -40
 exit $status
