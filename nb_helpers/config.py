@@ -175,6 +175,7 @@ class RunConfig:
     dpo_max_steps: int = 40  # optimizer steps of DPO; 600 pairs at 8 pairs a step is 75 steps an epoch
     pairs_train_file: str = "data/pairs_train.jsonl"  # preference pairs (JSONL: prompt, chosen, rejected)
     pairs_eval_file: str | None = "data/pairs_eval.jsonl"  # held-out pairs: reward accuracy and margin; None skips
+    pair_eval_samples: int | None = None  # how many of them (None: all 60); each costs 4 forwards (2 answers x 2 models)
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -311,6 +312,8 @@ RANGES = {
     "max_eval_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be >= 1 (and at most {MAX_ROWS:,}) rows, or None for "
                                                        "every row"),
     "task_eval_samples": (lambda v: 0 <= v <= MAX_ROWS, "must be >= 0 (0 skips the base-vs-tuned comparison)"),
+    "pair_eval_samples": (lambda v: 1 <= v <= MAX_ROWS, f"must be >= 1 (and at most {MAX_ROWS:,}) pairs, or None for "
+                                                        "every held-out pair (pairs_eval_file=None skips them)"),
     "max_new_tokens": (lambda v: 1 <= v <= MAX_LENGTH, f"must be >= 1 (and at most {MAX_LENGTH:,}) tokens per answer; "
                                                        "try 80"),
     "budget_gib": (lambda v: 0 < v <= 1024, "must be > 0 GiB (and at most 1024), or None for no cap"),
@@ -417,7 +420,7 @@ def combined_problems(cfg, typed: set[str]) -> list[str]:
 # What the CI switch changes: small for testing speed, same code paths (every knob still applies).
 CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=192, max_train_samples=24,
                     max_eval_samples=8, task_eval_samples=4, max_new_tokens=48, save_steps=2, eval_steps=2,
-                    dpo_max_steps=3, runs_dir="runs/ci")
+                    dpo_max_steps=3, pair_eval_samples=8, runs_dir="runs/ci")
 
 # CPU, each change measured on 2 cores (bench/RESULTS.md, "CPU: training speed per instruction set and dtype"):
 # - batch 4 x 2 instead of 1 x 8: the same effective batch, so the same optimisation. As AVX2 an SFT step took 5.9 s
@@ -428,7 +431,8 @@ CI_OVERRIDES = dict(max_steps=3, micro_batch_size=2, grad_accum=2, max_length=19
 #   steps scored 0.944;
 # - eval loss every 12 steps on 30 of the 60 held-out rows: the curve notebook 04 plots at steps 0, 12, 24 and 35,
 #   each point ~6.5 s instead of ~13 s. The same 30 rows at every eval, so the curve's shape is the rows' average
-#   loss over ~1,200 answer tokens, not a new sample each time; the task metric still scores all 60 prompts;
+#   loss over ~1,200 answer tokens, not a new sample each time; the task metric still scores all 60 prompts, and
+#   notebook 07 all 60 held-out pairs (pair_eval_samples);
 # - adamw_8bit: the same 8-bit AdamW; paging (CUDA managed memory, tensors >= 100k values) does not exist on a CPU.
 # - DPO (notebook 07): 6 steps of 8 pairs at lr 1e-4: held-out reward accuracy 0.90 and the task metric unchanged
 #   from the course's SFT run, ~90 s of training; at lr 2e-4 the task metric fell (0.958 -> 0.942), at 5e-4 to 0.21

@@ -135,6 +135,21 @@ def test_missing_file_and_bad_limit_are_one_line():
         load_pairs("data/pairs_eval.jsonl", RunConfig(), limit=-1)
 
 
+def test_the_held_out_pairs_do_not_shrink_with_the_eval_loss_rows(no_gpu):
+    """The CPU profile reads the SFT eval loss on 30 rows; notebook 07 still scores all 60 held-out pairs, whose
+    reward accuracy is the DPO run's result (a subset can flatter it). 07 loads them with pair_eval_samples."""
+    from nb_helpers.config import default_config
+
+    cfg = default_config()
+    assert cfg.max_eval_samples == 30 and cfg.pair_eval_samples is None
+    assert len(load_pairs(cfg.pairs_eval_file, cfg, cfg.pair_eval_samples)) == 60
+    nb = json.loads((PROJECT_ROOT / "notebooks" / "07_preference_tuning.ipynb").read_text(encoding="utf-8"))
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    assert "load_pairs(trains.pairs_eval_file, trains, trains.pair_eval_samples, tokenizer)" in code
+    with pytest.raises(ConfigError, match="pair_eval_samples=0"):
+        RunConfig(pair_eval_samples=0).validate()
+
+
 # --- the config and DPOConfig ------------------------------------------------------------------------------------------
 
 def test_dpo_knobs_are_checked_like_every_knob():
