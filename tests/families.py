@@ -31,3 +31,42 @@ def build(config: dict, device: str = "meta"):
 
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config_object(config))
+
+
+# --- real tokenizers a package ships -----------------------------------------------------------------------------
+# The Hub is out of reach, but llama-cpp-python's source archive (the pinned version, which the export already
+# downloads for llama.cpp's scripts) vendors llama.cpp's vocabulary-only GGUF files, its tokenizer test fixtures.
+# One of them is Qwen2's tokenizer (151,936 entries), which Qwen2.5 and Qwen3 use; transformers' GGUF reader turns it
+# into a tokenizer folder. Gemma 3's and Phi-4-mini's are not among them (llama.cpp ships Gemma 4's and Phi-3's).
+REAL_TOKENIZERS = {"qwen2": "ggml-vocab-qwen2.gguf", "qwen3": "ggml-vocab-qwen2.gguf"}
+
+
+def real_tokenizer_dir(family: str):
+    """A tokenizer folder of the family's real tokenizer (REAL_TOKENIZERS), made once into the cache (~20 s: the
+    GGUF holds 151,936 tokens and 151,387 merges)."""
+    import tarfile
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from nb_helpers.export.llama_cpp_code import LLAMA_CPP_PYTHON, _download, runtime_version
+    from nb_helpers.models import cache_dir, cache_entry
+
+    name = REAL_TOKENIZERS[family]
+    version = runtime_version() or LLAMA_CPP_PYTHON
+    folder = cache_dir() / "tokenizers" / f"{name.removesuffix('.gguf')}-{version}"
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    archive = _download(version)
+    try:
+        with tarfile.open(archive) as tar, tempfile.TemporaryDirectory() as tmp:
+            member = next(m for m in tar.getmembers() if m.name.endswith(f"/vendor/llama.cpp/models/{name}"))
+            member.name = name
+            tar.extractall(tmp, members=[member], filter="data")
+            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=name)
+            with cache_entry(folder) as partial:
+                tokenizer.save_pretrained(partial)
+    finally:
+        archive.unlink(missing_ok=True)
+    return Path(folder)

@@ -3,8 +3,10 @@ requirements-test.txt) and must answer as transformers answers on the merged mod
 
 Models: the embedded SmolLM2-135M with a random LoRA adapter merged into it (real weights, real tokenizer), and tiny
 random models (hidden 64) of every family the course trains, built from tests/families.py. The Hub is out of reach
-here, so every family's tiny model carries the embedded SmolLM2 tokenizer (byte-level BPE, llama.cpp's "smollm"
-pre-tokenizer) as its stand-in; Qwen2.5's is the exception the test below explains.
+here. Qwen2.5 and Qwen3 carry Qwen2's real tokenizer, from llama.cpp's own vocabulary file in the pinned
+llama-cpp-python source archive (families.real_tokenizer_dir); Llama's is SmolLM2's own (a Llama-architecture model).
+Gemma 3, Phi-4-mini and SmolLM3 carry the embedded SmolLM2 tokenizer (byte-level BPE, llama.cpp's "smollm"
+pre-tokenizer) as a stand-in: no package within reach ships theirs.
 """
 
 import json
@@ -117,13 +119,14 @@ def test_the_adapter_as_gguf_over_the_base_answers_as_the_merged_model(smol, smo
 
 
 def tiny_family_model(family: str, tokenizer_dir, folder):
-    """A tiny random model of the family (bf16, as training saves it) with the SmolLM2 tokenizer."""
+    """A tiny random model of the family (bf16, as training saves it) with the family's real tokenizer where a package
+    ships one (families.REAL_TOKENIZERS), else the SmolLM2 tokenizer at `tokenizer_dir`."""
     import torch
     from transformers import AutoTokenizer
 
-    from families import build, tiny_config
+    from families import REAL_TOKENIZERS, build, real_tokenizer_dir, tiny_config
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir(family) if family in REAL_TOKENIZERS else tokenizer_dir)
     changes = {}
     if family == "gemma3_text":  # Gemma 3's real pattern, five sliding-window layers then one global: llama.cpp
         changes = {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
@@ -137,7 +140,8 @@ def tiny_family_model(family: str, tokenizer_dir, folder):
     return model.float(), tokenizer
 
 
-ARCH = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3", "smollm3": "smollm3"}
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
+        "smollm3": "smollm3"}
 
 
 @pytest.mark.slow
@@ -157,6 +161,8 @@ def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(fa
     llm = open_gguf(path, logits_all=True)
     try:
         assert llm.metadata["general.architecture"] == ARCH[family]
+        if family in ("qwen2", "qwen3"):  # Qwen2's real tokenizer, recognized by llama.cpp's own hash table
+            assert (len(tokenizer), llm.metadata["tokenizer.ggml.pre"]) == (151936, "qwen2")
         ours = chat_tokens(llm, messages)
         ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                         add_special_tokens=False)["input_ids"]
@@ -170,13 +176,19 @@ def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(fa
 
 
 @pytest.mark.slow
-def test_qwen2_with_a_stand_in_tokenizer_is_refused_by_llama_cpps_own_tokenizer_check(llama_cpp, tokenizer_dir,
-                                                                                     tmp_path):
-    """Qwen2.5: transformers 5 gives any tokenizer in a qwen2 folder Qwen2's own pre-tokenizer split, so the stand-in
-    becomes SmolLM2's vocabulary under Qwen2's split, a tokenizer no model ships. llama.cpp's converter identifies
-    tokenizers by a hash of their output and refuses one it does not know (Qwen2.5's real one, 151,665 tokens, is
-    in its table as "qwen2"): the export stops with its words, not with a file that would tokenize wrongly."""
-    tiny_family_model("qwen2", tokenizer_dir, tmp_path / "qwen2")
+def test_a_tokenizer_llama_cpp_does_not_know_is_refused_by_its_own_check(llama_cpp, tokenizer_dir, tmp_path):
+    """SmolLM2's vocabulary in a qwen2 folder: transformers 5 gives any tokenizer there Qwen2's own pre-tokenizer
+    split, a tokenizer no model ships. llama.cpp's converter identifies tokenizers by a hash of their output and
+    refuses one it does not know (Qwen2's real one is in its table as "qwen2": the test above exports it): the export
+    stops with its words, not with a file that would tokenize wrongly."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from families import build, tiny_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    build(tiny_config("qwen2", vocab=len(tokenizer)), "cpu").to(torch.bfloat16).save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
     with pytest.raises(ExportError, match="pre-tokenizer was not recognized"):
         write_gguf(tmp_path / "qwen2", tmp_path / "qwen2.gguf", "f16", log=lambda *a: None)
 
