@@ -142,12 +142,42 @@ def tiny_family_model(family: str, tokenizer_dir, folder):
 
 ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3",
         "smollm3": "smollm3"}
+STAND_IN = "qwen2-with-smollm2-tokenizer"  # a tokenizer llama.cpp does not know, in a qwen2 folder
+
+
+@pytest.fixture(scope="module")
+def family_exports(llama_cpp, tokenizer_dir, tmp_path_factory):
+    """Every family's tiny model and its F16 GGUF (or the converter's ExportError). The models are built one after
+    the other; llama.cpp's converter, a Python process that mostly imports, runs for all of them at once, one per core."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from families import build, tiny_config
+
+    folder = tmp_path_factory.mktemp("families")
+    built = {family: tiny_family_model(family, tokenizer_dir, folder / family) for family in ARCH}
+    stand_in = AutoTokenizer.from_pretrained(tokenizer_dir)  # SmolLM2's vocabulary, which transformers 5 gives
+    build(tiny_config("qwen2", vocab=len(stand_in)), "cpu").to(torch.bfloat16).save_pretrained(folder / STAND_IN)
+    stand_in.save_pretrained(folder / STAND_IN)  # Qwen2's own pre-tokenizer split in a qwen2 folder
+
+    def convert(name):
+        try:
+            return write_gguf(folder / name, folder / f"{name}.gguf", "f16", log=lambda *a: None)
+        except ExportError as e:
+            return e
+
+    names = [*ARCH, STAND_IN]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        files = dict(zip(names, pool.map(convert, names)))
+    return {name: (*built.get(name, (None, None)), files[name]) for name in names}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(ARCH))
-def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(family, llama_cpp, tokenizer_dir,
-                                                                              tmp_path):
+def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(family, family_exports):
     """llama.cpp's logits at every prompt position within 0.01 of transformers' (random weights: the logits spread
     about 0.16, so 0.01 is 6% of it; measured gaps are 3e-4 to 1.2e-3) and the same prompt tokens."""
     import numpy as np
@@ -155,8 +185,9 @@ def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(fa
 
     from nb_helpers.export.runtime import chat_tokens, prompt_logits
 
-    model, tokenizer = tiny_family_model(family, tokenizer_dir, tmp_path / family)
-    path = write_gguf(tmp_path / family, tmp_path / f"{family}.gguf", "f16", log=lambda *a: None)
+    model, tokenizer, path = family_exports[family]
+    if isinstance(path, Exception):
+        raise path
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Order 12 mugs, größe L, Tunis."}]
     llm = open_gguf(path, logits_all=True)
     try:
@@ -176,21 +207,13 @@ def test_every_family_exports_with_its_own_architecture_and_runs_in_llama_cpp(fa
 
 
 @pytest.mark.slow
-def test_a_tokenizer_llama_cpp_does_not_know_is_refused_by_its_own_check(llama_cpp, tokenizer_dir, tmp_path):
+def test_a_tokenizer_llama_cpp_does_not_know_is_refused_by_its_own_check(family_exports):
     """SmolLM2's vocabulary in a qwen2 folder: transformers 5 gives any tokenizer there Qwen2's own pre-tokenizer
     split, a tokenizer no model ships. llama.cpp's converter identifies tokenizers by a hash of their output and
     refuses one it does not know (Qwen2's real one is in its table as "qwen2": the test above exports it): the export
     stops with its words, not with a file that would tokenize wrongly."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from families import build, tiny_config
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    build(tiny_config("qwen2", vocab=len(tokenizer)), "cpu").to(torch.bfloat16).save_pretrained(tmp_path / "qwen2")
-    tokenizer.save_pretrained(tmp_path / "qwen2")
-    with pytest.raises(ExportError, match="pre-tokenizer was not recognized"):
-        write_gguf(tmp_path / "qwen2", tmp_path / "qwen2.gguf", "f16", log=lambda *a: None)
+    refused = family_exports[STAND_IN][2]
+    assert isinstance(refused, ExportError) and "pre-tokenizer was not recognized" in str(refused), refused
 
 
 def test_the_byte_level_rewrite_encodes_and_decodes_exactly_as_the_saved_tokenizer(tokenizer_dir, tmp_path):
