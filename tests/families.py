@@ -44,9 +44,9 @@ REAL_TOKENIZERS = {"qwen2": "ggml-vocab-qwen2.gguf", "qwen3": "ggml-vocab-qwen2.
 def real_tokenizer_dir(family: str):
     """A tokenizer folder of the family's real tokenizer (REAL_TOKENIZERS), made once into the cache (~20 s: the
     GGUF holds 151,936 tokens and 151,387 merges)."""
+    import shutil
     import tarfile
     import tempfile
-    from pathlib import Path
 
     from transformers import AutoTokenizer
 
@@ -68,5 +68,5 @@ def real_tokenizer_dir(family: str):
             with cache_entry(folder) as partial:
                 tokenizer.save_pretrained(partial)
     finally:
-        archive.unlink(missing_ok=True)
-    return Path(folder)
+        shutil.rmtree(archive.parent, ignore_errors=True)  # _download's own temporary folder
+    return folder

@@ -11,6 +11,7 @@ built on this machine) and keeps only the scripts (about 2 MB) under .cache/.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -81,7 +82,7 @@ def _extract(archive: Path, folder: Path) -> None:
                 member.name = inner
                 members.append(member)
         tar.extractall(folder, members=members, filter="data")  # "data": no links out, no absolute paths
-    archive.unlink()
+    shutil.rmtree(archive.parent, ignore_errors=True)  # _download's own temporary folder, archive and all
     if not (folder / SCRIPTS[0]).is_file():
         raise ExportError(f"{archive.name} holds no {_VENDORED}{SCRIPTS[0]}: set LLAMA_CPP_DIR to a llama.cpp "
                           "checkout instead")
