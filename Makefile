@@ -47,13 +47,14 @@ executed: setup
 test: test-unit test-notebooks
 
 # tests/ includes tests/browser; without Chromium it is skipped with one line saying how to enable it.
-# Two worker processes (pytest-xdist), whole files each, in collection order: the browser flow (the longest file, its
-# tests one flow) starts first and the rest fills the other core. On CI's 2 cores the suite took 695 s in one process
-# and 588 s in two with the browser flow left to the end. OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise
-# spin while they wait and take the cores from the other worker (an 8-step training took 227 s instead of 47 s).
+# Two worker processes (pytest-xdist), a whole test file each at a time: the browser flow's tests stay one flow in one
+# process. On CI's 2 cores, as AVX2, the unit suite took 695 and 724 s in one process, 588 s in two (659 s with the
+# browser flow forced first, --no-loadscope-reorder; the files with the most tests go first by default).
+# OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads otherwise spin while they wait and take the cores from the other
+# worker (an 8-step training took 227 s instead of 47 s).
 TEST_WORKERS ?= 2
 test-unit: $(TEST_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 ## make test-browser: only the browser suite (JupyterLab in Chromium: notebooks 02-04 as a person uses them)
 test-browser: $(TEST_STAMP)
