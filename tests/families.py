@@ -44,13 +44,12 @@ REAL_TOKENIZERS = {"qwen2": "ggml-vocab-qwen2.gguf", "qwen3": "ggml-vocab-qwen2.
 def real_tokenizer_dir(family: str):
     """A tokenizer folder of the family's real tokenizer (REAL_TOKENIZERS), made once into the cache (~20 s: the
     GGUF holds 151,936 tokens and 151,387 merges)."""
-    import shutil
     import tarfile
     import tempfile
 
     from transformers import AutoTokenizer
 
-    from nb_helpers.export.llama_cpp_code import LLAMA_CPP_PYTHON, _download, runtime_version
+    from nb_helpers.export.llama_cpp_code import LLAMA_CPP_PYTHON, runtime_version, source_archive
     from nb_helpers.models import cache_dir, cache_entry
 
     name = REAL_TOKENIZERS[family]
@@ -58,15 +57,11 @@ def real_tokenizer_dir(family: str):
     folder = cache_dir() / "tokenizers" / f"{name.removesuffix('.gguf')}-{version}"
     if (folder / "tokenizer.json").is_file():
         return folder
-    archive = _download(version)
-    try:
-        with tarfile.open(archive) as tar, tempfile.TemporaryDirectory() as tmp:
-            member = next(m for m in tar.getmembers() if m.name.endswith(f"/vendor/llama.cpp/models/{name}"))
-            member.name = name
-            tar.extractall(tmp, members=[member], filter="data")
-            tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=name)
-            with cache_entry(folder) as partial:
-                tokenizer.save_pretrained(partial)
-    finally:
-        shutil.rmtree(archive.parent, ignore_errors=True)  # _download's own temporary folder
+    with source_archive(version) as archive, tarfile.open(archive) as tar, tempfile.TemporaryDirectory() as tmp:
+        member = next(m for m in tar.getmembers() if m.name.endswith(f"/vendor/llama.cpp/models/{name}"))
+        member.name = name
+        tar.extractall(tmp, members=[member], filter="data")
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=name)
+        with cache_entry(folder) as partial:
+            tokenizer.save_pretrained(partial)
     return folder

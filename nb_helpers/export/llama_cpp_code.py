@@ -10,8 +10,8 @@ built on this machine) and keeps only the scripts (about 2 MB) under .cache/.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,21 +55,24 @@ def scripts_dir(log=print) -> Path:
     if not (folder / SCRIPTS[0]).is_file():
         log(f"[export] llama.cpp's conversion scripts: taken once from llama-cpp-python {version}'s source archive "
             f"(PyPI) into {folder}")
-        with cache_entry(folder) as partial:
-            _extract(_download(version), partial)
+        with cache_entry(folder) as partial, source_archive(version) as archive:
+            _extract(archive, partial)
     return folder
 
 
-def _download(version: str) -> Path:
-    tmp = Path(tempfile.mkdtemp(prefix="llama-cpp-python-"))
-    fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                              "-d", str(tmp), f"llama-cpp-python=={version}"], capture_output=True, text=True)
-    archives = sorted(tmp.glob("*.tar.gz"))
-    if fetched.returncode != 0 or not archives:
-        raise ExportError(f"pip could not download llama-cpp-python {version}'s source archive, which holds "
-                          f"llama.cpp's conversion scripts:\n{fetched.stderr.strip()[-1500:]}\nFix: check that PyPI "
-                          "answers, or set LLAMA_CPP_DIR to a llama.cpp checkout of the same version")
-    return archives[0]
+@contextlib.contextmanager
+def source_archive(version: str):
+    """llama-cpp-python's source archive from PyPI, in a temporary folder that goes, archive and all, when the block
+    ends (also when the download or what reads it fails)."""
+    with tempfile.TemporaryDirectory(prefix="llama-cpp-python-") as tmp:
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                                  "-d", tmp, f"llama-cpp-python=={version}"], capture_output=True, text=True)
+        archives = sorted(Path(tmp).glob("*.tar.gz"))
+        if fetched.returncode != 0 or not archives:
+            raise ExportError(f"pip could not download llama-cpp-python {version}'s source archive, which holds "
+                              f"llama.cpp's conversion scripts:\n{fetched.stderr.strip()[-1500:]}\nFix: check that "
+                              "PyPI answers, or set LLAMA_CPP_DIR to a llama.cpp checkout of the same version")
+        yield archives[0]
 
 
 def _extract(archive: Path, folder: Path) -> None:
@@ -82,7 +85,6 @@ def _extract(archive: Path, folder: Path) -> None:
                 member.name = inner
                 members.append(member)
         tar.extractall(folder, members=members, filter="data")  # "data": no links out, no absolute paths
-    shutil.rmtree(archive.parent, ignore_errors=True)  # _download's own temporary folder, archive and all
     if not (folder / SCRIPTS[0]).is_file():
         raise ExportError(f"{archive.name} holds no {_VENDORED}{SCRIPTS[0]}: set LLAMA_CPP_DIR to a llama.cpp "
                           "checkout instead")
