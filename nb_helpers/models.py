@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -200,6 +201,66 @@ def keep_cpu_weights_trainable(model) -> int:
             module.support_avx512bf16_for_cpu = False
             count += 1
     return count
+
+
+@functools.cache
+def _dequantized_linear_class():
+    import torch
+
+    class DequantizedLinear(torch.nn.Module):
+        """What a bitsandbytes Linear4bit multiplies by, kept: its weight dequantized once in its compute dtype, and
+        its bias. Inputs are cast to that dtype and outputs back, as Linear4bit does."""
+
+        def __init__(self, layer):
+            from bitsandbytes.functional import dequantize_4bit
+
+            super().__init__()
+            self.dtype = layer.compute_dtype or layer.weight.quant_state.dtype
+            self.weight = dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(self.dtype)  # not a Parameter
+            self.bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+
+    return DequantizedLinear
+
+
+def _linear4bit_slots(model) -> list[tuple]:
+    import bitsandbytes as bnb
+
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, bnb.nn.Linear4bit) and child.weight.device.type == "cpu"
+            and not getattr(child.weight.quant_state, "packing_format_for_cpu", False)]  # bitsandbytes' own layout
+
+
+@contextlib.contextmanager
+def dequantized_on_cpu(model, ram_fraction: float = 0.25):
+    """Inside the block, each 4-bit layer on the CPU computes with its weight dequantized once, not at every call.
+
+    Generating an answer calls every layer once per new token. On a CPU bitsandbytes dequantizes the whole weight
+    at each of those calls: for the embedded model, 0.19 s of a decoding step of 4 prompts went to 0.11 s (2 cores
+    as AVX2); 48 new tokens for 1 prompt took 3.8 s instead of 6.7, for 4 prompts 7.1 s instead of 9.8, 64 for 60
+    prompts 31 s instead of 36. The copies hold the same values the 4-bit layers multiply by, so the answers are
+    the same (all 60 were); every 4-bit layer is put back when the block ends, also
+    on an error. Nothing changes on a GPU (its 4-bit kernels dequantize on chip), nor when the copies would take
+    more than `ram_fraction` of the host memory available now (the embedded model's take 0.4 GiB in fp32,
+    TinyLlama's 4.1 GiB). Yields how many layers were swapped."""
+    import psutil
+
+    slots = _linear4bit_slots(model)
+    needed = sum(child.in_features * child.out_features * 4 for _, _, child in slots)  # fp32 at most
+    if not slots or needed > ram_fraction * psutil.virtual_memory().available:
+        yield 0
+        return
+    swapped = []
+    try:
+        for parent, name, child in slots:
+            setattr(parent, name, _dequantized_linear_class()(child))
+            swapped.append((parent, name, child))
+        yield len(swapped)
+    finally:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
 
 
 def sixteen_bit_bytes_from_config(config) -> dict:

@@ -46,7 +46,7 @@ from nb_helpers.faults.run_lock import release_run_lock, take_run_lock
 from nb_helpers.faults.signals import EXIT_CODE, Terminated, sigterm_as_interrupt
 from nb_helpers.faults.write_errors import check_writable, stop_cleanly
 from nb_helpers.summary import BEFORE_TRAINING_KEYS, package_versions, print_summary, write_summary
-from nb_helpers.task_metric import evaluate_task
+from nb_helpers.task_metric import base_answers_dir, evaluate_task
 from nb_helpers.trainer_setup import adapt_trainer, progress_printer, sft_config
 
 
@@ -306,8 +306,9 @@ def evaluate_before(run: TrainingRun, trainer, verbose: bool = True) -> dict:
     on its share of the rows."""
     if run.checkpoint is None or not restore_before_training(run):
         if run.task_rows and distributed.is_main():
+            cache = base_answers_dir(run.cfg, run.choice, run.model, run.tokenizer, run.cfg.max_new_tokens)
             run.base_answers = evaluate_task(run.model, run.tokenizer, run.task_rows, run.cfg.max_new_tokens,
-                                             label="scoring the base model")
+                                             label="scoring the base model", cache=cache)
             run.summary.update(task_metric=run.base_answers["metric"], task_base=run.base_answers["score"])
         distributed.wait()
         if run.eval_rows:

@@ -91,6 +91,40 @@ def test_keep_cpu_weights_trainable_switches_off_repacking(tiny_model_dir):
     assert layers and not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in layers)
 
 
+def test_generation_on_a_cpu_dequantizes_once_and_gives_the_same_answers(tiny_model_dir, no_gpu):
+    """Inside dequantized_on_cpu each 4-bit layer (under a LoRA layer too) multiplies by its weight dequantized once:
+    the same logits and greedy answers as the 4-bit layers, which are all back afterwards, also after an error."""
+    import bitsandbytes as bnb
+
+    from nb_helpers.lora import attach_lora
+    from nb_helpers.models import dequantized_on_cpu
+
+    cfg = RunConfig(model=str(tiny_model_dir), lora_dropout=0.0)
+    torch.manual_seed(0)
+    model = attach_lora(load_4bit(cfg, ModelChoice(str(tiny_model_dir), "tiny", "test")), cfg).eval()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # a nonzero B: the adapters act on top of the swapped base layers
+            torch.nn.init.normal_(p, std=0.02)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    ids = torch.randint(0, 1000, (3, 12))
+
+    def logits_and_answer():
+        with torch.no_grad():
+            return model(input_ids=ids).logits, model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+
+    four_bit = logits_and_answer()
+    with dequantized_on_cpu(model) as swapped:
+        assert swapped == len(layers) > 0 and not any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+        dequantized = logits_and_answer()
+    assert torch.allclose(four_bit[0], dequantized[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(four_bit[1], dequantized[1])
+    with pytest.raises(KeyboardInterrupt), dequantized_on_cpu(model):
+        raise KeyboardInterrupt
+    assert [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)] == layers  # the same objects, back
+    with dequantized_on_cpu(model, ram_fraction=0.0) as swapped:  # the copies would not fit: nothing changes
+        assert swapped == 0 and [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)] == layers
+
+
 @pytest.mark.slow
 def test_embedded_model_is_a_real_chat_model(embedded_dir):
     """The embedded SmolLM2 must know things and stop at the end of its turn (EOS fixed after GGUF conversion)."""

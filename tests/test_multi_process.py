@@ -14,6 +14,7 @@ import pytest
 
 from nb_helpers import distributed
 from nb_helpers.config import ConfigError, RunConfig
+from nb_helpers.runs import list_runs
 from nb_helpers.distributed import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,7 +218,7 @@ def test_two_processes_follow_one_process_step_for_step(launched, tiny_model_dir
     work, _ = launched
     cfg = RunConfig.load(work / "config.json").replace(runs_dir=str(work / "one-process"))
     one = [r["loss"] for r in read_metrics(train(cfg, verbose=False) / "metrics.jsonl") if "loss" in r]
-    run = next(p for p in (work / "runs").iterdir() if p.is_dir() and not p.is_symlink() and p.name != "broken")
+    run = next(p for p in list_runs(work / "runs") if p.name != "broken")
     two = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert len(one) == len(two) == 3
     assert two[0] == pytest.approx(one[0], rel=1e-6)  # before any update: the same 4 rows, the same loss
@@ -230,7 +231,7 @@ def test_two_processes_follow_one_process_step_for_step(launched, tiny_model_dir
 def test_two_processes_train_one_run_written_by_rank_0(launched):
     work, proc = launched
     runs = work / "runs"
-    folders = [p for p in runs.iterdir() if p.is_dir() and not p.is_symlink() and p.name != "broken"]
+    folders = [p for p in list_runs(runs) if p.name != "broken"]  # beside base-answers/
     assert len(folders) == 1, sorted(p.name for p in runs.iterdir())  # rank 0 named it; rank 1 was told
     run = folders[0]
     assert (runs / "latest").resolve() == run.resolve()
@@ -268,7 +269,7 @@ def test_two_processes_train_one_run_written_by_rank_0(launched):
 def test_resume_on_two_processes(launched):
     """Resume a two-process run from its checkpoint at step 2 on two processes: it says so, trains step 3 once."""
     work, _ = launched
-    run = next(p for p in (work / "runs").iterdir() if p.is_dir() and not p.is_symlink() and p.name != "broken")
+    run = next(p for p in list_runs(work / "runs") if p.name != "broken")
     broken = work / "runs" / "broken"
     shutil.copytree(run, broken)
     shutil.rmtree(broken / "checkpoints" / "checkpoint-3")  # as if it had stopped after step 2's checkpoint
