@@ -371,15 +371,16 @@ def n(value, digits: int = 0) -> str:
 
 
 class Refs:
-    """Rows cite their run as [n]; the list under the table names its machine, date and command."""
+    """Rows cite their run as [n]; the list under the table names its machine, date, command and run file (rows of
+    one run share its note, each run has its own)."""
 
     def __init__(self):
         self.items: list[dict] = []
 
     def __call__(self, src: dict) -> str:
-        key = (src["machine"], src["date"], src["command"])
+        key = (src["machine"], src["date"], src["command"], src["run_file"])
         for i, item in enumerate(self.items, 1):
-            if (item["machine"], item["date"], item["command"]) == key:
+            if (item["machine"], item["date"], item["command"], item["run_file"]) == key:
                 return f"[{i}]"
         self.items.append(src)
         return f"[{len(self.items)}]"
