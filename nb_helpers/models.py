@@ -241,10 +241,10 @@ def dequantized_on_cpu(model, ram_fraction: float = 0.25):
     at each of those calls: for the embedded model, 0.19 s of a decoding step of 4 prompts went to 0.11 s (2 cores
     as AVX2); 48 new tokens for 1 prompt took 3.8 s instead of 6.7, for 4 prompts 7.1 s instead of 9.8, 64 for 60
     prompts 31 s instead of 36. The copies hold the same values the 4-bit layers multiply by, so the answers are
-    the same (all 60 were); every 4-bit layer is put back when the block ends, also
-    on an error. Nothing changes on a GPU (its 4-bit kernels dequantize on chip), nor when the copies would take
-    more than `ram_fraction` of the host memory available now (the embedded model's take 0.4 GiB in fp32,
-    TinyLlama's 4.1 GiB). Yields how many layers were swapped."""
+    the same (all 60 were); every 4-bit layer is put back when the block ends, also on an error. Nothing changes on
+    a GPU (its 4-bit kernels dequantize on chip), nor when the copies would take more than `ram_fraction` of the
+    host memory available now (in fp32 the embedded model's take 0.40 GiB, TinyLlama's 3.6 GiB). Yields how many
+    layers were swapped."""
     import psutil
 
     slots = _linear4bit_slots(model)
