@@ -7,18 +7,17 @@ For other answers it is exact match after whitespace normalisation. Higher is be
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
 from nb_helpers.config import RunConfig
 from nb_helpers.data import answer_text, prompt_messages
+from nb_helpers.frontend import say_once
 from nb_helpers.models import ModelChoice, dequantized_on_cpu
 from nb_helpers.plan.dtypes import resolve_compute_dtype
-from nb_helpers.runs import runs_root
+from nb_helpers.runs import runs_root, write_json
 
 JSON_METRIC = "json_field_accuracy"
 EXACT_METRIC = "exact_match"
@@ -155,24 +154,18 @@ def base_answers_dir(cfg: RunConfig, choice: ModelChoice, model, tokenizer, max_
 
 def _read_kept(file: Path) -> str | None:
     try:
-        return file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):  # absent, or damaged: generated again
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent, or damaged (not UTF-8, not JSON): generated again
         return None
 
 
 def _keep(file: Path, answer: str) -> None:
-    partial = file.with_name(f"{file.name}.{os.getpid()}.partial")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(answer, encoding="utf-8")
-        os.replace(partial, file)  # atomic: a reader sees the whole answer or none
+        write_json(file, answer)
     except OSError as e:  # a full disk or a read-only runs folder costs the next run the time, never this answer
-        with contextlib.suppress(OSError):
-            partial.unlink()
-        from nb_helpers.frontend import say_once
-
-        say_once("base-answers-not-kept", f"[task] base model's answers not kept in {file.parent.parent} ({e.strerror or e}): "
-                 "scoring is unchanged, the next run generates them again")
+        say_once("base-answers-not-kept", f"[task] base model's answers not kept in {file.parent.parent} "
+                 f"({e.strerror or e}): scoring is unchanged, the next run generates them again")
 
 
 def _answers(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, label: str,
@@ -180,16 +173,17 @@ def _answers(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     """generate(), taking the answers `cache` already holds and keeping the new ones there."""
     if cache is None:
         return generate(model, tokenizer, conversations, max_new_tokens, label=label)
-    files = [cache / f"{_digest(c)}.txt" for c in conversations]
+    files = [cache / f"{_digest(c)}.json" for c in conversations]
     known = {f: answer for f in set(files) if (answer := _read_kept(f)) is not None}
-    missing = [c for c, f in zip(conversations, files) if f not in known]
+    missing = [(c, f) for c, f in zip(conversations, files) if f not in known]
     if known:
         print(f"[task] {label}: {len(conversations) - len(missing)} of {len(conversations)} answers kept from an "
               f"earlier run of the same model and settings (in {cache.parent})", flush=True)
     if missing:
-        for conversation, answer in zip(missing, generate(model, tokenizer, missing, max_new_tokens, label=label)):
-            known[cache / f"{_digest(conversation)}.txt"] = answer
-            _keep(cache / f"{_digest(conversation)}.txt", answer)
+        answers = generate(model, tokenizer, [c for c, _ in missing], max_new_tokens, label=label)
+        for (_, file), answer in zip(missing, answers):
+            known[file] = answer
+            _keep(file, answer)
     return [known[f] for f in files]
 
 

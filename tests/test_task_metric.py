@@ -45,7 +45,7 @@ def test_base_answers_are_kept_per_prompt_and_generated_only_when_missing(tiny_c
     again = task_metric.evaluate_task(model, tokenizer, rows, 8, cache=kept)
     assert asked == [3, 1] and again["predictions"][:3] == first["predictions"]
     assert "3 of 4 answers kept from an earlier run" in capsys.readouterr().out
-    assert len(list(kept.glob("*.txt"))) == 4 and not list(kept.glob("*.partial"))
+    assert len(list(kept.glob("*.json"))) == 4 and not list(kept.glob("*.tmp"))
 
     other_dtype = "float32" if resolve_compute_dtype(tiny_cfg.compute_dtype) == "bfloat16" else "bfloat16"
     others = {task_metric.base_answers_dir(tiny_cfg, choice, model, tokenizer, 16),
@@ -78,6 +78,6 @@ def test_a_runs_folder_that_cannot_keep_answers_still_scores(tiny_cfg, no_gpu, m
 
     kept = tmp_path / "kept"
     task_metric.evaluate_task(model, tokenizer, rows, 6, cache=kept)
-    next(kept.glob("*.txt")).write_bytes(b"\xff\xfe broken")
+    next(kept.glob("*.json")).write_bytes(b"\xff\xfe broken")
     assert task_metric.evaluate_task(model, tokenizer, rows, 6, cache=kept) == plain
     assert "1 of 2 answers kept" in capsys.readouterr().out
