@@ -11,7 +11,8 @@ Workloads, all at effective batch 8 sequences:
 For each workload: the reference (1 x 8, GC, paged_adamw_8bit, r=8 on q,k,v,o, no prepare_model_for_kbit_training),
 our path at the reference's own settings set by hand (1 x 8, GC: the lean path, the memory comparison; and the same
 with cuda_graphs=True: what graphs cost and give there) and our default (auto-fit picks the micro-batch and CUDA
-graphs for the budget, keeping the effective batch). --levers adds one run per speed lever, each alone.
+graphs for the budget, keeping the effective batch). --levers adds each lever taken out alone, the settings auto-fit
+passes over and host profiles; --gains LEVER,... is the pruning measurement (our default, each lever out, ours again).
 Reported: median step seconds over the steps after warm-up, non-padding tokens/s, the ratio to the reference,
 peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses, and
 for the reference and our default on every workload the GPU-busy microseconds per token of one profiled step
@@ -80,142 +81,48 @@ ONLY_AT = {"graphs": ("w512", "shipped"), "saved_attention": ("w2048",), "offloa
            "pad_lengths": ("w2048",)}
 
 
+def off_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
+    """Each named lever taken out alone at each workload where it runs, auto-fit choosing again (so a lever's memory
+    counts through what auto-fit can choose); every run profiles one step (GPU compute per token)."""
+    return [dict(workload=w, recipe="ours", name=f"no-{lever.replace('_', '-')}", batch=8, accum=1, gc=True,
+                 auto_fit=True, profile=True, steps=steps + 1, fast=f"{lever}=0")
+            for lever in levers for w in workloads if w in ONLY_AT.get(lever, (w,))]
+
+
 def gain_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
-    """The pruning measurement: our default (auto-fit) at each workload, then each named lever taken out alone
-    (auto-fit again, so a lever's memory counts through what auto-fit can choose), then our default once more: the
-    two `ours` runs bracket the host's drift over the call. Every run profiles one step (GPU compute per token)."""
-    def run(workload, name, **extra):
-        return dict(workload=workload, recipe="ours", name=name, batch=8, accum=1, gc=True, auto_fit=True,
-                    profile=True, steps=steps + 1, **extra)
-
-    first = [run(w, "ours") for w in workloads]
-    off = [run(w, f"no-{lever.replace('_', '-')}", fast=f"{lever}=0") for lever in levers for w in workloads
-           if w in ONLY_AT.get(lever, (w,))]
-    return first + off + [run(w, "ours-again", always=True) for w in workloads]
+    """The pruning measurement: our default (auto-fit) at each workload, each named lever taken out alone, then our
+    default once more: the two `ours` runs bracket the host's drift over the call."""
+    ours = dict(recipe="ours", batch=8, accum=1, gc=True, auto_fit=True, profile=True, steps=steps + 1)
+    return ([dict(ours, workload=w, name="ours") for w in workloads] + off_runs(levers, workloads, steps)
+            + [dict(ours, workload=w, name="ours-again", always=True) for w in workloads])
 
 
-def lever_runs(steps: int) -> list[dict]:
-    """Each lever alone, at a fixed micro-batch (no auto-fit), most informative first."""
+def lever_runs(workloads: list[str], steps: int) -> list[dict]:
+    """--levers, beside the main runs: every lever of the fast path taken out alone, the settings auto-fit passes
+    over (why it chooses as it does) and where the host's time goes."""
+    from nb_helpers.fast.options import LEVERS
+
     def run(workload, name, batch, accum, **extra):
         return {**dict(workload=workload, recipe="ours", name=name, batch=batch, accum=accum, gc=True, steps=steps),
                 **extra}
 
-    return [
-        # seventy-third device call: the attention an offloaded checkpoint's forward keeps for its recompute
-        # (fast.saved_attention; 8 x 2048 is the workload auto-fit offloads), taken out
-        run("w2048", "no-saved-attention", 8, 1, fast="saved_attention=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        # (calls 49-72 also ran levers keep_dequantized, nf4_in_graphs and qkv_once, since removed: their runs are
-        # in bench/results/runs/)
-        # sixty-eighth device call: fast.lora_dropout's swept launch settings, taken out
-        *[run(workload, "lora-tiles-before", 8, 1, env={"NB_LORA_TILES": "before"}, auto_fit=True, profile=True,
-              steps=steps + 1) for workload in ("w2048", "w512")],
-        # sixty-third device call: the norms' backward for frozen weights over the rows, the layer input's two
-        # gradients summed inside it (fast.frozen_norms), taken out
-        *[run(workload, "no-frozen-norms", 8, 1, fast="frozen_norms=0", auto_fit=True, profile=True, steps=steps + 1)
-          for workload in ("w2048", "w512")],
-        # sixtieth device call: the host's share of the step (fast.host_step): rows read as numpy arrays, the
-        # Trainer's token count left out, model.train() walking the modules only on a change, each taken out again;
-        # the host's time between points of the step (HostPhases), untraced
-        *[run(workload, f"no-{lever.replace('_', '-')}", 8, 1, fast=f"{lever}=0", auto_fit=True, profile=True,
-              steps=steps + 1) for workload in ("w2048", "w512")
-          for lever in ("array_rows", "one_token_count", "mode_on_change")],
-        run("w2048", "host-phases", 8, 1, auto_fit=True, phases=True),
-        run("w512", "host-phases", 8, 1, auto_fit=True, phases=True),
-        # fifty-ninth device call: 4 x 2 with graphed layers and offloaded checkpoints, which the planner fits under
-        # 4 GiB, against auto-fit's 8 x 1 eager (no graphs at 8 x 1: their pool alone would take 2.99 GiB); slower
-        run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
-        # (calls 58-59 also took out a lever `prefetch`, since removed: their runs are in bench/results/runs/)
-        # fifty-fifth device call: the recompute reuses its forward's LoRA products (lever down_once), taken out
-        run("w2048", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-down-once", 8, 1, fast="down_once=0", auto_fit=True, profile=True, steps=steps + 1),
-        # fifty-first device call: auto-fit leaves the last layers unrecomputed where the budget holds their
-        # activations (RunConfig.no_recompute_layers), taken out
-        run("w2048", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        run("w2048", "no-recompute-1-offload-8x1", 8, 1, offload=True, no_recompute_layers=1, profile=True,
-            steps=steps + 1),
-        run("w2048", "offload-8x1-profiled", 8, 1, offload=True, profile=True, steps=steps + 1),
-        run("w512", "no-fewer-recomputes", 8, 1, fast="fewer_recomputes=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        # forty-fifth device call: double quantization's absmax decoded once and kept in fp32 (fast.fused_lora
-        # keep_decoded_absmax), taken out again
-        run("w2048", "no-absmax-once", 8, 1, fast="absmax_once=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-absmax-once", 8, 1, fast="absmax_once=0", auto_fit=True, profile=True, steps=steps + 1),
-        # thirty-eighth device call: LoRA's dropout drawn inside its rank-r products by Triton kernels, the LoRA
-        # product written first and the base GEMM adding into it (fast.lora_dropout), taken out again
-        run("w2048", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        run("w512", "no-dropout-kernels", 8, 1, fast="dropout_kernels=0", auto_fit=True, profile=True,
-            steps=steps + 1),
-        # thirty-fourth device call: Llama layers with the MLP as one function, the residual add fused into the norm
-        # and the recompute's thrown-away SwiGLU and add skipped (fast.fused_block), taken out again
-        run("w2048", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-fused-block", 8, 1, fast="fused_block=0", auto_fit=True, profile=True, steps=steps + 1),
-        # thirty-second device call: LoRA's dropout drawn inside its rank-r products by Triton kernels (commit
-        # 9fdf01b), taken out again as `no-dropout-kernels`: slower (its runs are in bench/results/runs/), removed
-        # thirty-first device call: the recompute skipping the product nothing reads (fast.recompute), taken out again
-        run("w2048", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
-        run("w512", "no-dead-tail", 8, 1, fast="dead_tail=0", auto_fit=True, profile=True, steps=steps + 1),
-        # twenty-fifth device call: at 8 x 2048, graphed layers at 2 x 4 (they fit 4 GiB without offload) against
-        # auto-fit's eager 8 x 1 with offload (graphs remove the host's launches; more micro-steps add host work)
+    passed_over = [
+        # 8 x 2048: graphed layers fit 4 GiB only with the batch split (their pool alone takes 2.99 GiB at 8 x 1),
+        # with checkpoints on the GPU or in CPU RAM; auto-fit takes eager 8 x 1 with checkpoints in CPU RAM
         run("w2048", "graphs-2x4", 2, 4, cuda_graphs=True),
-        # twenty-third device call: eager batches padded to 64 tokens made default, taken out again (two host-side
-        # levers measured beside it, a DataLoader worker and a token count without a synchronize, paid nothing and
-        # were removed; they are in commit 341eb83)
-        run("w2048", "no-pad-lengths", 8, 1, fast="pad_lengths=0", auto_fit=True),
-        # eleventh device call: graphs with offloaded checkpoints at 8 x 2048 against the previous default
-        run("w2048", "no-graphs-offload-8x1", 8, 1, fast="graphs=0,offload=1"),
-        # twenty-second device call: batches padded to 64 tokens with eager layers too (8 x 2048's slow steps)
-        run("w2048", "pad-lengths", 8, 1, fast="pad_lengths=1", auto_fit=True),
-        run("w512", "pad-lengths-1x8", 1, 8, fast="pad_lengths=1", steps=8),
-        # twentieth device call: one CPU thread for torch's host-side ops (8 x 2048's slow steps: CPU contention?)
-        run("w2048", "one-cpu-thread", 8, 1, auto_fit=True, env={"OMP_NUM_THREADS": "1"}),
-        # eighteenth and nineteenth device calls: bitsandbytes' optimizer kernels called directly, taken out again
-        run("w2048", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
-        run("w512", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
-        run("shipped", "no-direct-optim", 8, 1, fast="direct_optim=0", auto_fit=True),
-        # seventeenth device call: where the host time goes at 8 x 2048 (the GPU idles 29% of our step there)
-        run("w2048", "host-profile-offload-8x1", 8, 1, fast="offload=1", cprofile=True),
-        # tenth device call: checkpointed layers as CUDA graphs are the default; taken out again, and GC off as before
-        run("w512", "no-graphs-8x1", 8, 1, fast="graphs=0"),
-        run("shipped", "no-graphs-8x1-no-gc", 8, 1, gc=False, fast="graphs=0"),
-        run("shipped", "no-graphs-8x1", 8, 1, fast="graphs=0"),
-        run("w512", "graphs-busy-8x1", 8, 1, profile=True, steps=steps + 1),
-        run("w512", "graphs-host-profile-8x1", 8, 1, cprofile=True),
-        # sixth device call: reentrant checkpoints and direct dequantization are the default; each taken out alone
-        run("w512", "no-reentrant-8x1", 8, 1, fast="reentrant=0"),
-        run("w512", "no-direct-dequant-8x1", 8, 1, fast="direct_dequant=0"),
-        run("shipped", "no-direct-dequant-8x1-no-gc", 8, 1, gc=False, fast="direct_dequant=0"),
-        run("w2048", "no-reentrant-offload-8x1", 8, 1, fast="offload=1,reentrant=0"),
-        run("w512", "host-profile-8x1-call6", 8, 1, cprofile=True),
-        run("w512", "host-profile-8x1-call8", 8, 1, cprofile=True),
-        run("w512", "busy-8x1", 8, 1, profile=True, steps=steps + 1),  # the GPU's busy share at W512
-        # fifth device call: fused QLoRA layers are the default now; these runs take them out again
-        run("w512", "unfused-8x1", 8, 1, fast="fused_lora=0"),
-        run("w2048", "unfused-offload-8x1", 8, 1, fast="fused_lora=0,offload=1"),
+        run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
         run("w2048", "offload-4x2", 4, 2, fast="offload=1"),
-        # fourth device call: checkpoints offloaded to CPU RAM, so that W2048 fits 8 x 1 (half the launches per token)
-        run("w2048", "offload-8x1", 8, 1, fast="offload=1"),
-        # third device call: where the host time goes (its compiled decoder layers, a lever since removed, are in
-        # bench/results/raw/throughput-call3-compile.json)
-        run("w512", "host-profile-8x1", 8, 1, cprofile=True),
+        # no checkpointing, where the shipped rows fit without it
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
-        # second device call: each lever added alone on top of the previous one, at 8 x 1
-        run("w512", "lean-8x1", 8, 1, fast="kernels=0,nomask=0,expandable=0"),
-        run("w512", "lean+nomask-8x1", 8, 1, fast="kernels=0,expandable=0"),
-        run("w512", "lean+nomask+kernels-8x1", 8, 1, fast="expandable=0"),
-        run("w512", "all-8x1", 8, 1),
-        run("shipped", "all-8x1", 8, 1),
-        run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
-        # first device call (before the expandable-segments lever existed). Levers measured and removed since
-        # (compile, offload_sync, offload_overlap=0, selective_gc, adapters_fp32) keep their results in
-        # bench/results/runs/ and bench/results/raw/
-        run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
-        run("w512", "lean-8x1-call1", 8, 1, fast="kernels=0,nomask=0"),
+        # what LoRA's dropout costs, and peft's prepare_model_for_kbit_training with stock layers (the lean=0 path)
         run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
-        run("w2048", "lean-4x2", 4, 2, fast="kernels=0,nomask=0"),
+        run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
     ]
+    host = [spec for w in ("w512", "w2048") for spec in (
+        run(w, "host-profile-8x1", 8, 1, cprofile=True),  # cProfile of the host's Python over the steps
+        run(w, "host-phases", 8, 1, auto_fit=True, phases=True))]  # the host's time between points of the step
+    return [spec for spec in off_runs(list(LEVERS), workloads, steps) + passed_over + host
+            if spec["workload"] in workloads]
 
 
 # --- data -------------------------------------------------------------------------------------------------------
@@ -600,7 +507,8 @@ def versions() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w512,w2048,shipped")
-    parser.add_argument("--levers", action="store_true", help="also run each speed lever alone (8 x 1)")
+    parser.add_argument("--levers", action="store_true", help="also each lever taken out alone, the settings "
+                        "auto-fit passes over, and host profiles")
     parser.add_argument("--turing", action="store_true", help="also the GTX 1650 card, auto-fit, bf16 and fp16")
     parser.add_argument("--gains", default=None, help="comma list of levers: only our default and each of these "
                         "levers taken out alone, at each workload (the pruning measurement)")
@@ -652,7 +560,7 @@ def main() -> None:
     if args.turing:
         plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
     if args.levers:
-        plan += [spec for spec in lever_runs(args.steps) if spec["workload"] in workloads]
+        plan += lever_runs(workloads, args.steps)
     for spec in plan:
         workload = spec["workload"]
         seq = WORKLOADS[workload]

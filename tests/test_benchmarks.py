@@ -283,3 +283,26 @@ def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(
     assert speed["seq"] == 512 and speed["ours-fit"]["speedup"] == 4.0 and speed["ours"]["speedup"] == 1.5
     text = summarize.markdown(summarize.latest(tmp_path))
     assert "3 of 4 points within ±10%" in text and "400, 3.00 (4.00×)" in text
+
+
+def test_levers_takes_every_lever_out_once_where_it_runs_and_each_run_parses():
+    """--levers and --gains are built from fast.options.LEVERS: a lever added to the registry is measured without
+    editing the script, and every run's NB_FASTPATH is one the package accepts (a typo would fail on the device)."""
+    from throughput import ONLY_AT, gain_runs, lever_runs
+
+    from nb_helpers.config import fastpath_problems
+    from nb_helpers.fast.options import LEVERS
+
+    workloads = ["w512", "w2048", "shipped"]
+    runs = lever_runs(workloads, steps=13)
+    keys = [(r["workload"], r["name"]) for r in runs]
+    assert len(keys) == len(set(keys)), "two runs of one workload share a name: the second would overwrite the first"
+    assert {r["workload"] for r in runs} <= set(workloads)
+    for lever in LEVERS:
+        taken_out = {w for w, name in keys if name == f"no-{lever.replace('_', '-')}"}
+        assert taken_out == set(ONLY_AT.get(lever, workloads)), lever
+    assert not [(r["name"], r["fast"]) for r in runs if r.get("fast") and fastpath_problems(r["fast"])]
+    assert lever_runs(["w512"], steps=13) == [r for r in runs if r["workload"] == "w512"]
+    gains = gain_runs(["graphs"], ["w512", "w2048"], steps=13)  # graphs run at 8 x 512 only: its one run is there
+    assert [(r["workload"], r["name"]) for r in gains] == [("w512", "ours"), ("w2048", "ours"), ("w512", "no-graphs"),
+                                                           ("w512", "ours-again"), ("w2048", "ours-again")]
