@@ -504,7 +504,7 @@ def versions() -> dict:
     return package_versions()
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="w512,w2048,shipped")
     parser.add_argument("--levers", action="store_true", help="also each lever taken out alone, the settings "
@@ -529,7 +529,52 @@ def main() -> None:
     parser.add_argument("--gpu-trace", default=None, help="folder: profiled runs save their GPU-only timeline (no host "
                         "recording, so the step runs as untraced ones do)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def planned_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs the options ask for, in order: the main runs (or, with --gains, the pruning measurement, the
+    reference first with --with-reference), then --turing's and --levers'."""
+    workloads = args.workloads.split(",")
+    plan = ([] if args.gains else [spec for workload in workloads for spec in main_runs(workload, args.steps)])
+    if args.gains:
+        if args.with_reference:  # the reference first, as main_runs has it: our default's runs then come beside it
+            plan += [spec for w in workloads for spec in main_runs(w, args.steps) if spec["name"] == "reference"]
+        plan += gain_runs(args.gains.split(","), workloads, args.steps)
+    if args.turing:
+        plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
+    if args.levers:
+        plan += lever_runs(workloads, args.steps)
+    return plan
+
+
+def measure(spec: dict, work: Path) -> dict:
+    """One run in a fresh process (its spec and result as files in `work`): its row of the run file."""
+    stem = f"{spec['workload']}-{spec['name']}"
+    spec_path, result_path = work / f"{stem}.json", work / f"{stem}.out"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.time()
+    throttled = cpu_throttling()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
+                           str(result_path)], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **spec.get("env", {}), "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
+    if throttled:  # the container's CPU quota: periods in which the run was throttled, and for how long
+        after = cpu_throttling()
+        row["cpu_throttled"] = {k: after[k] - throttled[k] for k in throttled}
+    if result_path.exists():
+        row.update(summarize(spec, json.loads(result_path.read_text())))
+    if proc.returncode != 0:
+        row["error_tail"] = (proc.stderr or proc.stdout)[-2000:]
+    fast_lines = [l for l in proc.stdout.splitlines() if l.startswith(("[fast]", "[auto-fit]"))]
+    if fast_lines:
+        row["log"] = fast_lines
+    return row
+
+
+def main() -> None:
+    args = arguments()
     if args.worker:
         worker_main(*args.worker)
         return
@@ -551,17 +596,7 @@ def main() -> None:
     out = {"budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
            "warmup_steps": WARMUP, "workloads": {}}
     keep = set(args.only.split(",")) if args.only else None
-    workloads = args.workloads.split(",")
-    plan = ([] if args.gains else [spec for workload in workloads for spec in main_runs(workload, args.steps)])
-    if args.gains:
-        if args.with_reference:  # the reference first, as main_runs has it: our default's runs then come beside it
-            plan += [spec for w in workloads for spec in main_runs(w, args.steps) if spec["name"] == "reference"]
-        plan += gain_runs(args.gains.split(","), workloads, args.steps)
-    if args.turing:
-        plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
-    if args.levers:
-        plan += lever_runs(workloads, args.steps)
-    for spec in plan:
+    for spec in planned_runs(args):
         workload = spec["workload"]
         seq = WORKLOADS[workload]
         entry = out["workloads"].setdefault(workload, {"seq": seq, "effective_batch": 8, "runs": {}})
@@ -579,34 +614,15 @@ def main() -> None:
             spec.update(trace=args.gpu_trace, gpu_only=True)
         spec.update(seq=seq, budget=args.budget, model=str(model_dir),
                     data=str(prepare_data(workload, model_dir, work, rows=8 * max(args.steps, 23))))
-        spec_path, result_path = work / f"{workload}-{spec['name']}.json", work / f"{workload}-{spec['name']}.out"
-        spec_path.write_text(json.dumps(spec))
-        t0 = time.time()
-        throttled = cpu_throttling()
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
-                               str(result_path)], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, **spec.get("env", {}), "PYTHONPATH": os.pathsep.join(
-                                  filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-        row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
-        if throttled:  # the container's CPU quota: periods in which the run was throttled, and for how long
-            after = cpu_throttling()
-            row["cpu_throttled"] = {k: after[k] - throttled[k] for k in throttled}
-        if result_path.exists():
-            row.update(summarize(spec, json.loads(result_path.read_text())))
-        if proc.returncode != 0:
-            row["error_tail"] = (proc.stderr or proc.stdout)[-2000:]
-        fast_lines = [l for l in proc.stdout.splitlines() if l.startswith(("[fast]", "[auto-fit]"))]
-        if fast_lines:
-            row["log"] = fast_lines
-        entry["runs"][spec["name"]] = row
+        row = entry["runs"][spec["name"]] = measure(spec, work)
         ref = entry["runs"].get("reference", {}).get("tokens_per_s")
         if ref and row.get("tokens_per_s"):
             row["ratio_to_reference"] = row["tokens_per_s"] / ref
         print(f"[throughput] {workload:<8}{spec['name']:<24}{row.get('micro_batch', '?')}x{row.get('accum', '?')} "
               f"{row.get('median_step_s') or float('nan'):7.3f} s/step {row.get('tokens_per_s') or 0:8.0f} tok/s "
               f"x{row.get('ratio_to_reference') or float('nan'):5.2f} dev {row.get('peak_device_gib') or float('nan'):.2f}"
-              f" GiB rc={proc.returncode} {row['wall_s']}s", flush=True)
-        if proc.returncode != 0:
+              f" GiB rc={row['returncode']} {row['wall_s']}s", flush=True)
+        if row["returncode"] != 0:
             print("    " + row["error_tail"][-600:].replace("\n", "\n    "), flush=True)
         entry["reference"], entry["ours"] = entry["runs"].get("reference"), entry["runs"].get("ours")
         entry["plain_vs_reference"] = plain_vs_reference(entry["runs"])

@@ -306,3 +306,20 @@ def test_levers_takes_every_lever_out_once_where_it_runs_and_each_run_parses():
     gains = gain_runs(["graphs"], ["w512", "w2048"], steps=13)  # graphs run at 8 x 512 only: its one run is there
     assert [(r["workload"], r["name"]) for r in gains] == [("w512", "ours"), ("w2048", "ours"), ("w512", "no-graphs"),
                                                            ("w512", "ours-again"), ("w2048", "ours-again")]
+
+
+def test_the_options_plan_the_runs_they_name_in_order():
+    """What one device call runs, read from its options on the CPU: the headline is the reference beside our default
+    at each workload; --gains --with-reference puts the reference first, then the pruning measurement."""
+    from throughput import arguments, planned_runs
+
+    headline = planned_runs(arguments(["--workloads", "w2048,w512"]))
+    names = [(r["workload"], r["name"]) for r in headline]
+    assert names[:2] == [("w2048", "reference"), ("w2048", "ours")] and ("w512", "ours") in names
+    assert all(r["profile"] for r in headline if r["name"] in ("reference", "ours"))  # GPU compute per token
+    gains = planned_runs(arguments(["--workloads", "w512,w2048", "--gains", "dead_tail", "--with-reference"]))
+    assert [(r["workload"], r["name"]) for r in gains] == [
+        ("w512", "reference"), ("w2048", "reference"), ("w512", "ours"), ("w2048", "ours"), ("w512", "no-dead-tail"),
+        ("w2048", "no-dead-tail"), ("w512", "ours-again"), ("w2048", "ours-again")]
+    turing = planned_runs(arguments(["--workloads", "shipped,w512", "--gains", "graphs", "--turing"]))
+    assert [r["name"] for r in turing if r.get("card")] == ["ours-bfloat16-gtx1650", "ours-float16-gtx1650"]
