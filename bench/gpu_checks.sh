@@ -33,22 +33,25 @@ if [ -z "${SHARDS:-}" ]; then
 else
   # SHARDS=n: the whole suite in one device call. The GPU tests run first and alone (their memory checks read the
   # whole card's NVML figure); then the other tests, GPU visible, in n processes over the test files, round robin.
+  # Under a time limit (`timeout N bash bench/gpu_checks.sh`), a cut run's log keeps every shard that finished and
+  # names each unfinished one with the command that runs its files.
   echo "== -m gpu, alone" >> "$log"
   pytest_run -m gpu tests >> "$log" 2>&1; status=$?
-  files=(tests/test_*.py); pids=()
+  files=(tests/test_*.py); declare -A shard_of=() pending=()
   for ((i = 0; i < SHARDS; i++)); do
     shard=(); for ((j = i; j < ${#files[@]}; j += SHARDS)); do shard+=("${files[j]}"); done
-    pytest_run -m "not gpu" "${shard[@]}" > "$OUT/shard-$i.log" 2>&1 & pids+=($!)
+    pytest_run -m "not gpu" "${shard[@]}" > "$OUT/shard-$i.log" 2>&1 &
+    shard_of[$!]=$i; pending[$i]="${shard[*]}"
   done
-  for ((i = 0; i < SHARDS; i++)); do
-    wait "${pids[i]}"; rc=$?; [ $rc -eq 5 ] && rc=0  # 5: every test of the shard is a GPU test, already run
-    { echo "== -m 'not gpu', shard $i of $SHARDS (exit $rc)"; cat "$OUT/shard-$i.log"; } >> "$log"
-    rm -f "$OUT/shard-$i.log"; [ $rc -ne 0 ] && status=$rc
-  done
-  # Each half deselects the other's tests; together they are the whole suite. Say so, counted from the log
-  collected=$("${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q --collect-only tests 2>/dev/null \
-    | grep -oE "^[0-9]+ tests? collected" | grep -oE "^[0-9]+")
-  "${PY:-python3}" - "$log" "${collected:-0}" >> "$log" <<'PY'
+  shard_done() {  # shard $1 ended with exit $2: its log goes into the main one
+    local rc=$2; [ "$rc" -eq 5 ] && rc=0  # 5: every test of the shard is a GPU test, already run
+    { echo "== -m 'not gpu', shard $1 of $SHARDS (exit $rc)"; cat "$OUT/shard-$1.log"; } >> "$log"
+    rm -f "$OUT/shard-$1.log"; unset "pending[$1]"; [ "$rc" -ne 0 ] && status=$rc
+  }
+  count() {  # each half deselects the other's tests; together they are the whole suite. Say so, counted from the log
+    collected=$("${PY:-python3}" -m pytest -p no:cacheprovider --ignore=tests/browser -q --collect-only tests 2>/dev/null \
+      | grep -oE "^[0-9]+ tests? collected" | grep -oE "^[0-9]+")
+    "${PY:-python3}" - "$log" "${collected:-0}" >> "$log" <<'PY'
 import re, sys
 counts = dict.fromkeys(("passed", "failed", "skipped", "errors"), 0)
 for line in open(sys.argv[1], encoding="utf-8"):
@@ -59,6 +62,26 @@ ran, collected = sum(counts.values()), int(sys.argv[2])
 print(f"== whole suite: {ran} of the {collected} tests collected ran ({counts['passed']} passed, {counts['skipped']} "
       f"skipped, {counts['failed']} failed, {counts['errors']} errors); {collected - ran} not run by either half")
 PY
+  }
+  stopped() {  # a time limit (timeout's TERM) cut the run: the log keeps every finished shard and names the rest
+    trap - TERM
+    for i in "${!pending[@]}"; do
+      { echo "== -m 'not gpu', shard $i of $SHARDS: stopped unfinished; to run its files alone:"
+        echo "   bash bench/gpu_checks.sh -m 'not gpu' ${pending[$i]}"; cat "$OUT/shard-$i.log"; echo; } >> "$log"
+      rm -f "$OUT/shard-$i.log"
+    done
+    count; grep -E "^(==|   bash|FAILED|ERROR)" "$log" | tail -20; exit 124
+  }
+  trap stopped TERM
+  while [ ${#pending[@]} -gt 0 ]; do  # in the order they finish, so a cut keeps every finished shard (polled:
+    for pid in "${!shard_of[@]}"; do  # bash's `wait -n` can miss a child that ended while it was not waiting)
+      i=${shard_of[$pid]}
+      if [ -n "${pending[$i]:-}" ] && ! kill -0 "$pid" 2>/dev/null; then wait "$pid"; shard_done "$i" $?; fi
+    done
+    [ ${#pending[@]} -gt 0 ] && sleep 1
+  done
+  trap - TERM
+  count
 fi
 grep -E "^(==|FAILED|ERROR)|passed|failed" "$log" | tail -40
 exit $status
