@@ -286,8 +286,9 @@ def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(
 
 
 def test_levers_takes_every_lever_out_once_where_it_runs_and_each_run_parses():
-    """--levers and --gains are built from fast.options.LEVERS: a lever added to the registry is measured without
-    editing the script, and every run's NB_FASTPATH is one the package accepts (a typo would fail on the device)."""
+    """--levers is built from fast.options.LEVERS (taking each out as --gains does): a lever added to the registry is
+    measured without editing the script, and every run's NB_FASTPATH is one the package accepts (a typo would fail on
+    the device)."""
     from throughput import ONLY_AT, gain_runs, lever_runs
 
     from nb_helpers.config import fastpath_problems
