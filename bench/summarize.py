@@ -395,14 +395,13 @@ def speed_table(data: dict) -> list[str]:
     tp = data["throughput"]
     if not tp["workloads"]:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## Speed: the reference recipe against our default GPU path", "",
-            f"{tp['what'][0].upper() + tp['what'][1:]}, under an emulated {tp['budget_gib']:g} GiB budget "
-            "(allocator capped, CUDA context included). Ratios mean something within one run only: the "
-            "reference's speed follows the host's CPU.", "",
-            "| workload | reference (1 × 8): s/step, tokens/s, peak GiB | ours: micro-batch × accum, s/step, "
-            "tokens/s, peak GiB | ratio | measured |", "|---|---|---|---|---|"]
+    out = ["", "## Speed: the reference recipe against our default GPU path", "",
+           f"{tp['what'][0].upper() + tp['what'][1:]}, under an emulated {tp['budget_gib']:g} GiB budget "
+           "(allocator capped, CUDA context included). Ratios mean something within one run only: the "
+           "reference's speed follows the host's CPU.", "",
+           "| workload | reference (1 × 8): s/step, tokens/s, peak GiB | ours: micro-batch × accum, s/step, "
+           "tokens/s, peak GiB | ratio | measured |", "|---|---|---|---|---|"]
     for workload, e in tp["workloads"].items():
         ref, ours = e["reference"], e["ours"]
         out.append(f"| {e['label']} | {n(ref['median_step_s'], 3)}, {n(ref['tokens_per_s'])}, "
@@ -422,15 +421,14 @@ def plain_table(data: dict) -> list[str]:
     pv = data["plain_vs_reference"]
     if not pv:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## `fast_path=False` against the reference", "",
-            "Our course's code on the plain stack (`RunConfig(fast_path=False)`) at the reference's 1 × 8, beside "
-            "the reference in the same run: the same peak memory, losses within a percent (LoRA's random A "
-            "differs between the two runs).", "",
-            "| workload | reference tokens/s | `fast_path=False` tokens/s | speed ratio | peak GiB, reference / "
-            "plain | largest loss difference | ours at 1 × 8 set by hand: peak GiB | measured |",
-            "|---|---|---|---|---|---|---|---|"]
+    out = ["", "## `fast_path=False` against the reference", "",
+           "Our course's code on the plain stack (`RunConfig(fast_path=False)`) at the reference's 1 × 8, beside "
+           "the reference in the same run: the same peak memory, losses within a percent (LoRA's random A "
+           "differs between the two runs).", "",
+           "| workload | reference tokens/s | `fast_path=False` tokens/s | speed ratio | peak GiB, reference / "
+           "plain | largest loss difference | ours at 1 × 8 set by hand: peak GiB | measured |",
+           "|---|---|---|---|---|---|---|---|"]
     for workload, e in pv.items():
         out.append(f"| {e['label']} | {n(e['reference']['tokens_per_s'])} | {n(e['plain']['tokens_per_s'])} | "
                    f"{e['speed_ratio']:.2f} | {n(e['reference']['peak_device_gib'], 2)} / "
@@ -447,14 +445,13 @@ def gtx1650_table(data: dict) -> list[str]:
     g = data["gtx1650_emulated"]
     if not g:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## The GTX 1650 card, emulated", "",
-            "The GTX 1650 (4 GB) card's budget and compute capability on the H200, auto-fit choosing for that "
-            "card: memory, settings and numerics in bf16 and in fp16 (what that card computes in). The H200 "
-            "computes both, so the tokens/s are the H200's, not a GTX 1650's.", "",
-            "| workload | dtype | auto-fit chose | checkpointing | peak GiB | s/step | tokens/s (H200) | last loss | "
-            "measured |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["", "## The GTX 1650 card, emulated", "",
+           "The GTX 1650 (4 GB) card's budget and compute capability on the H200, auto-fit choosing for that "
+           "card: memory, settings and numerics in bf16 and in fp16 (what that card computes in). The H200 "
+           "computes both, so the tokens/s are the H200's, not a GTX 1650's.", "",
+           "| workload | dtype | auto-fit chose | checkpointing | peak GiB | s/step | tokens/s (H200) | last loss | "
+           "measured |", "|---|---|---|---|---|---|---|---|---|"]
     for workload, dtypes in g.items():
         for dtype, e in dtypes.items():
             out.append(f"| {WORKLOADS[workload]} | {dtype} | {e['micro_batch']} × {e['accum']} | "
@@ -470,16 +467,15 @@ def planner_table(data: dict) -> list[str]:
     p = data["planner"]
     if not p:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## The memory planner against measured peaks", "",
-            f"`python -m nb_helpers plan` beside every committed peak measured on {p['measured_on']} "
-            "(NVML device memory, CUDA context included).", "",
-            "| points | shapes | worst error | mean error | held out of every fit: points, worst, mean | report |",
-            "|---|---|---|---|---|---|",
-            f"| {p['points']} | {p['shapes']} | {p['worst_abs_error_pct']:.1f}% | {p['mean_abs_error_pct']:.2f}% | "
-            f"{p['held_out_points']}, {n(p['held_out_worst_abs_error_pct'], 1)}%, "
-            f"{n(p['held_out_mean_abs_error_pct'], 2)}% | {p['date']} {refs(p)} |"]
+    out = ["", "## The memory planner against measured peaks", "",
+           f"`python -m nb_helpers plan` beside every committed peak measured on {p['measured_on']} "
+           "(NVML device memory, CUDA context included).", "",
+           "| points | shapes | worst error | mean error | held out of every fit: points, worst, mean | report |",
+           "|---|---|---|---|---|---|",
+           f"| {p['points']} | {p['shapes']} | {p['worst_abs_error_pct']:.1f}% | {p['mean_abs_error_pct']:.2f}% | "
+           f"{p['held_out_points']}, {n(p['held_out_worst_abs_error_pct'], 1)}%, "
+           f"{n(p['held_out_mean_abs_error_pct'], 2)}% | {p['date']} {refs(p)} |"]
     c = p.get("planned_from_cpu")
     if c:
         w = c["without_gpu_extras"]
@@ -498,17 +494,16 @@ def step_time_table(data: dict) -> list[str]:
     s = data["step_time"]
     if not s:
         return []
-    out = []
     refs = Refs()
     step, busy = s["held_out"]["step_error"], s["held_out"]["busy_error"]
-    out += ["", "## The step-time model against measured steps", "",
-            f"`nb_helpers/plan/step_time.py` against {s['measured_on']}'s measured step and GPU-busy times; "
-            f"its constants fitted on {s['fit_points']} points, validated on {s['held_out_points']} it did not "
-            "see.", "",
-            "| held-out points | step time within 15% | worst, mean step error | GPU busy within 15% | worst, mean "
-            "busy error | report |", "|---|---|---|---|---|---|",
-            f"| {s['held_out_points']} | {step['within_15pct']} | {step['worst']:.1%}, {step['mean']:.1%} | "
-            f"{busy['within_15pct']} | {busy['worst']:.1%}, {busy['mean']:.1%} | {s['date']} {refs(s)} |"]
+    out = ["", "## The step-time model against measured steps", "",
+           f"`nb_helpers/plan/step_time.py` against {s['measured_on']}'s measured step and GPU-busy times; "
+           f"its constants fitted on {s['fit_points']} points, validated on {s['held_out_points']} it did not "
+           "see.", "",
+           "| held-out points | step time within 15% | worst, mean step error | GPU busy within 15% | worst, mean "
+           "busy error | report |", "|---|---|---|---|---|---|",
+           f"| {s['held_out_points']} | {step['within_15pct']} | {step['worst']:.1%}, {step['mean']:.1%} | "
+           f"{busy['within_15pct']} | {busy['worst']:.1%}, {busy['mean']:.1%} | {s['date']} {refs(s)} |"]
     if s.get("later_runs"):
         lr = s["later_runs"]
         out += ["", f"Later runs of the changed GPU path ({lr['points']} profiled runs, held out): step within "
@@ -524,12 +519,11 @@ def multi_gpu_table(data: dict) -> list[str]:
     m = data["multi_gpu"]
     if not m:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## Several GPUs (DDP)", "",
-            "The same global batch on one GPU and on two, each under its own 4 GiB budget.", "",
-            "| tokens a row | global batch | micro-batch per GPU | 1 GPU tokens/s | 2 GPUs tokens/s | 2 GPUs over 1 | "
-            "measured |", "|---|---|---|---|---|---|---|"]
+    out = ["", "## Several GPUs (DDP)", "",
+           "The same global batch on one GPU and on two, each under its own 4 GiB budget.", "",
+           "| tokens a row | global batch | micro-batch per GPU | 1 GPU tokens/s | 2 GPUs tokens/s | 2 GPUs over 1 | "
+           "measured |", "|---|---|---|---|---|---|---|"]
     for e in m.values():
         t = e["tokens_per_s"]
         out.append(f"| {e['seq']:,} | {e['global_batch']} | {e['micro_batch_per_gpu']} | {n(t.get('1'))} | "
@@ -543,13 +537,12 @@ def reach_table(data: dict) -> list[str]:
     r = data["reach"]
     if not r:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## Reach: bigger models and longer rows under 4 GiB", "",
-            f"Random weights of the real shapes, effective batch 8, under an emulated {r['budget_gib']:g} GiB "
-            f"budget; the planner's prediction beside each peak. {r['machine']}, {r['date']} {refs(r)}.", "",
-            "| model | tokens a row | micro-batch × accum | options | peak GiB | planner | tokens/s |",
-            "|---|---|---|---|---|---|---|"]
+    out = ["", "## Reach: bigger models and longer rows under 4 GiB", "",
+           f"Random weights of the real shapes, effective batch 8, under an emulated {r['budget_gib']:g} GiB "
+           f"budget; the planner's prediction beside each peak. {r['machine']}, {r['date']} {refs(r)}.", "",
+           "| model | tokens a row | micro-batch × accum | options | peak GiB | planner | tokens/s |",
+           "|---|---|---|---|---|---|---|"]
     for pt in r["points"]:
         fitted = pt["returncode"] == 0
         peak = n(pt["peak_device_gib"], 2) if fitted else "out of memory" if pt.get("oom") else "failed"
@@ -566,15 +559,14 @@ def cpu_table(data: dict) -> list[str]:
     c = data["cpu"]
     if not c:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## CPU: training speed per instruction set and dtype", "",
-            "SmolLM2-135M at 256 tokens, the CPU profile with one change per variant (the batch column shows "
-            "micro-batch × accumulation, the effective batch is 8 in every row); each run times a few optimizer "
-            "steps per variant, the first not timed; on the CPU as it is and limited to AVX2. A DPO row is one "
-            "step of notebook 07 (8 pairs: chosen, rejected and the reference forward).", "",
-            "| CPU as | variant | batch | dtype | threads | s/step | tokens/s | measured |",
-            "|---|---|---|---|---|---|---|---|"]
+    out = ["", "## CPU: training speed per instruction set and dtype", "",
+           "SmolLM2-135M at 256 tokens, the CPU profile with one change per variant (the batch column shows "
+           "micro-batch × accumulation, the effective batch is 8 in every row); each run times a few optimizer "
+           "steps per variant, the first not timed; on the CPU as it is and limited to AVX2. A DPO row is one "
+           "step of notebook 07 (8 pairs: chosen, rejected and the reference forward).", "",
+           "| CPU as | variant | batch | dtype | threads | s/step | tokens/s | measured |",
+           "|---|---|---|---|---|---|---|---|"]
     for row in c["rows"]:
         stopped = f" (stopped after {row['stopped_after_s']:g} s, {row['steps_done']} steps)" \
             if row["stopped_after_s"] else ""
@@ -590,16 +582,15 @@ def course_table(data: dict) -> list[str]:
     """A fresh clone's make setup, make run and make test on a CPU."""
     if not data.get("course"):
         return []
-    out = []
     refs = Refs()
-    out += ["", "## The course on a CPU: a fresh clone's `make setup`, `make run` and `make test`", "",
-            "`python bench/course_time.py --test`: a fresh clone of the commit, each command timed as a learner runs "
-            "it (make run as `make executed`: the same notebooks, their copies kept). Task metric: notebook 03's "
-            "SFT run, base → tuned, on 60 held-out prompts; DPO: notebook 07's held-out reward accuracy and the "
-            "task metric of the SFT model → after DPO. A `make test` that failed shows its exit code and the time to "
-            "the failure (the unit tests stop it before the notebooks run).", "",
-            "| machine | setup | make run | per notebook (s) | make test | SFT task metric | DPO reward accuracy, "
-            "task metric | measured |", "|---|---|---|---|---|---|---|---|"]
+    out = ["", "## The course on a CPU: a fresh clone's `make setup`, `make run` and `make test`", "",
+           "`python bench/course_time.py --test`: a fresh clone of the commit, each command timed as a learner runs "
+           "it (make run as `make executed`: the same notebooks, their copies kept). Task metric: notebook 03's "
+           "SFT run, base → tuned, on 60 held-out prompts; DPO: notebook 07's held-out reward accuracy and the "
+           "task metric of the SFT model → after DPO. A `make test` that failed shows its exit code and the time to "
+           "the failure (the unit tests stop it before the notebooks run).", "",
+           "| machine | setup | make run | per notebook (s) | make test | SFT task metric | DPO reward accuracy, "
+           "task metric | measured |", "|---|---|---|---|---|---|---|---|"]
     for c in data["course"]:
         per = ", ".join(f"{name[:2]}: {sec}" for name, sec in (c["notebooks_s"] or {}).items())
         sft, dpo = c["sft"] or {}, c["dpo"] or {}
@@ -619,12 +610,11 @@ def reproducibility_table(data: dict) -> list[str]:
     rp = data["reproducibility"]
     if not rp:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## Same seed, same losses", "",
-            "Two CPU runs of the course's training with the same seed, one after the other.", "",
-            "| variant | against | steps | identical | largest relative loss difference | measured |",
-            "|---|---|---|---|---|---|"]
+    out = ["", "## Same seed, same losses", "",
+           "Two CPU runs of the course's training with the same seed, one after the other.", "",
+           "| variant | against | steps | identical | largest relative loss difference | measured |",
+           "|---|---|---|---|---|---|"]
     for pair in rp["pairs"]:
         out.append(f"| {pair['variant']} | {pair['against'] or 'its own second run'} | {pair['steps']} | "
                    f"{'yes' if pair['identical'] else 'no'} | {pair['max_relative_loss_difference']:.2%} | "
@@ -638,14 +628,13 @@ def lever_gains_table(data: dict) -> list[str]:
     lg = data.get("lever_gains") or {}
     if not lg.get("levers"):
         return []
-    out = []
     refs = Refs()
-    out += ["", "## What each lever of the fast path gains", "",
-            f"Each lever taken out alone, in one run beside our default path (auto-fit on both), under a 4 GiB "
-            f"budget: the median step, and the GPU's compute per token of one profiled step (what a GPU-bound "
-            f"card such as a GTX 1650 pays). A lever is {lg['rule']}; the others were removed (git keeps them).",
-            "", "| lever | workload | step s: ours, without | GPU µs/token: ours, without | peak GiB: ours, without "
-            "| earns its place | measured |", "|---|---|---|---|---|---|---|"]
+    out = ["", "## What each lever of the fast path gains", "",
+           f"Each lever taken out alone, in one run beside our default path (auto-fit on both), under a 4 GiB "
+           f"budget: the median step, and the GPU's compute per token of one profiled step (what a GPU-bound "
+           f"card such as a GTX 1650 pays). A lever is {lg['rule']}; the others were removed (git keeps them).",
+           "", "| lever | workload | step s: ours, without | GPU µs/token: ours, without | peak GiB: ours, without "
+           "| earns its place | measured |", "|---|---|---|---|---|---|---|"]
     for lever, entry in lg["levers"].items():
         for workload, w in entry["workloads"].items():
             gain = f"{w['step_gain']:+.1%}; ours varied {w['step_noise']:.1%}"
@@ -666,13 +655,12 @@ def lever_memory_table(data: dict) -> list[str]:
     lm = data.get("lever_memory")
     if not lm:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## Which levers change what auto-fit picks on a GTX 1650", "",
-            "Each lever taken out alone, auto-fit planned under the GTX 1650 preset (3.81 GiB, desktop reserve, "
-            "context) for an effective batch of 8, from config.json alone (what auto-fit ranks by). A change means "
-            f"the lever's memory decides the card's batch or checkpointing. {lm['machine']}, {lm['date']} {refs(lm)}.",
-            "", "| lever | where taking it out changes auto-fit's choice |", "|---|---|"]
+    out = ["", "## Which levers change what auto-fit picks on a GTX 1650", "",
+           "Each lever taken out alone, auto-fit planned under the GTX 1650 preset (3.81 GiB, desktop reserve, "
+           "context) for an effective batch of 8, from config.json alone (what auto-fit ranks by). A change means "
+           f"the lever's memory decides the card's batch or checkpointing. {lm['machine']}, {lm['date']} {refs(lm)}.",
+           "", "| lever | where taking it out changes auto-fit's choice |", "|---|---|"]
     for lever, where in lm["levers"].items():
         out.append(f"| `{lever}` | {'; '.join(where) if where else 'nowhere'} |")
     out += refs.lines()
@@ -684,18 +672,17 @@ def dpo_tables(data: dict) -> list[str]:
     d = data.get("dpo")
     if not d:
         return []
-    out = []
     refs = Refs()
-    out += ["", "## DPO (notebook 07) under the GTX 1650 preset", "",
-            "`bench/dpo.py`: each run a fresh process, its allocator capped where the GTX 1650's would be; random "
-            "weights of the real shapes, prompt + answer rows of the length shown, 8 pairs an optimizer step. "
-            "*plain* is TRL's DPO recipe for QLoRA as its documentation writes it (a fresh adapter, the reference = "
-            "the adapter disabled); *ours* notebook 07's DPOConfig on an adapter; *ours-fit* the same with the "
-            "micro-batch and checkpointing the planner picks for the card. The planner's peak (nb_helpers.plan."
-            f"preference, for this GPU's context) against the measured NVML peak: {d['within_10_percent']} of "
-            f"{d['validated']} points within ±10%.", "",
-            "| model shape | tokens | run | batch, GC | s/step | tokens/s | peak GiB (NVML) | planned GiB | error "
-            "| planned for the GTX 1650 / its budget | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["", "## DPO (notebook 07) under the GTX 1650 preset", "",
+           "`bench/dpo.py`: each run a fresh process, its allocator capped where the GTX 1650's would be; random "
+           "weights of the real shapes, prompt + answer rows of the length shown, 8 pairs an optimizer step. "
+           "*plain* is TRL's DPO recipe for QLoRA as its documentation writes it (a fresh adapter, the reference = "
+           "the adapter disabled); *ours* notebook 07's DPOConfig on an adapter; *ours-fit* the same with the "
+           "micro-batch and checkpointing the planner picks for the card. The planner's peak (nb_helpers.plan."
+           f"preference, for this GPU's context) against the measured NVML peak: {d['within_10_percent']} of "
+           f"{d['validated']} points within ±10%.", "",
+           "| model shape | tokens | run | batch, GC | s/step | tokens/s | peak GiB (NVML) | planned GiB | error "
+           "| planned for the GTX 1650 / its budget | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in d["points"]:
         failed = "" if p["returncode"] == 0 else f" (exit {p['returncode']})"
         error = "–" if p["planner_error"] is None else f"{p['planner_error']:+.1%}"
