@@ -370,6 +370,11 @@ def n(value, digits: int = 0) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
+def head(*cells: str) -> list[str]:
+    """A table's header row and the separator under it, one column a cell."""
+    return ["| " + " | ".join(cells) + " |", "|" + "---|" * len(cells)]
+
+
 class Refs:
     """Rows cite their run as [n]; the list under the table names its machine, date, command and run file (rows of
     one run share its note, each run has its own)."""
@@ -400,8 +405,8 @@ def speed_table(data: dict) -> list[str]:
            f"{tp['what'][0].upper() + tp['what'][1:]}, under an emulated {tp['budget_gib']:g} GiB budget "
            "(allocator capped, CUDA context included). Ratios mean something within one run only: the "
            "reference's speed follows the host's CPU.", "",
-           "| workload | reference (1 × 8): s/step, tokens/s, peak GiB | ours: micro-batch × accum, s/step, "
-           "tokens/s, peak GiB | ratio | measured |", "|---|---|---|---|---|"]
+           *head("workload", "reference (1 × 8): s/step, tokens/s, peak GiB",
+                 "ours: micro-batch × accum, s/step, tokens/s, peak GiB", "ratio", "measured")]
     for workload, e in tp["workloads"].items():
         ref, ours = e["reference"], e["ours"]
         out.append(f"| {e['label']} | {n(ref['median_step_s'], 3)}, {n(ref['tokens_per_s'])}, "
@@ -426,9 +431,9 @@ def plain_table(data: dict) -> list[str]:
            "Our course's code on the plain stack (`RunConfig(fast_path=False)`) at the reference's 1 × 8, beside "
            "the reference in the same run: the same peak memory, losses within a percent (LoRA's random A "
            "differs between the two runs).", "",
-           "| workload | reference tokens/s | `fast_path=False` tokens/s | speed ratio | peak GiB, reference / "
-           "plain | largest loss difference | ours at 1 × 8 set by hand: peak GiB | measured |",
-           "|---|---|---|---|---|---|---|---|"]
+           *head("workload", "reference tokens/s", "`fast_path=False` tokens/s", "speed ratio",
+                 "peak GiB, reference / plain", "largest loss difference", "ours at 1 × 8 set by hand: peak GiB",
+                 "measured")]
     for workload, e in pv.items():
         out.append(f"| {e['label']} | {n(e['reference']['tokens_per_s'])} | {n(e['plain']['tokens_per_s'])} | "
                    f"{e['speed_ratio']:.2f} | {n(e['reference']['peak_device_gib'], 2)} / "
@@ -450,8 +455,8 @@ def gtx1650_table(data: dict) -> list[str]:
            "The GTX 1650 (4 GB) card's budget and compute capability on the H200, auto-fit choosing for that "
            "card: memory, settings and numerics in bf16 and in fp16 (what that card computes in). The H200 "
            "computes both, so the tokens/s are the H200's, not a GTX 1650's.", "",
-           "| workload | dtype | auto-fit chose | checkpointing | peak GiB | s/step | tokens/s (H200) | last loss | "
-           "measured |", "|---|---|---|---|---|---|---|---|---|"]
+           *head("workload", "dtype", "auto-fit chose", "checkpointing", "peak GiB", "s/step", "tokens/s (H200)",
+                 "last loss", "measured")]
     for workload, dtypes in g.items():
         for dtype, e in dtypes.items():
             out.append(f"| {WORKLOADS[workload]} | {dtype} | {e['micro_batch']} × {e['accum']} | "
@@ -471,8 +476,8 @@ def planner_table(data: dict) -> list[str]:
     out = ["", "## The memory planner against measured peaks", "",
            f"`python -m nb_helpers plan` beside every committed peak measured on {p['measured_on']} "
            "(NVML device memory, CUDA context included).", "",
-           "| points | shapes | worst error | mean error | held out of every fit: points, worst, mean | report |",
-           "|---|---|---|---|---|---|",
+           *head("points", "shapes", "worst error", "mean error", "held out of every fit: points, worst, mean",
+                 "report"),
            f"| {p['points']} | {p['shapes']} | {p['worst_abs_error_pct']:.1f}% | {p['mean_abs_error_pct']:.2f}% | "
            f"{p['held_out_points']}, {n(p['held_out_worst_abs_error_pct'], 1)}%, "
            f"{n(p['held_out_mean_abs_error_pct'], 2)}% | {p['date']} {refs(p)} |"]
@@ -500,8 +505,8 @@ def step_time_table(data: dict) -> list[str]:
            f"`nb_helpers/plan/step_time.py` against {s['measured_on']}'s measured step and GPU-busy times; "
            f"its constants fitted on {s['fit_points']} points, validated on {s['held_out_points']} it did not "
            "see.", "",
-           "| held-out points | step time within 15% | worst, mean step error | GPU busy within 15% | worst, mean "
-           "busy error | report |", "|---|---|---|---|---|---|",
+           *head("held-out points", "step time within 15%", "worst, mean step error", "GPU busy within 15%",
+                 "worst, mean busy error", "report"),
            f"| {s['held_out_points']} | {step['within_15pct']} | {step['worst']:.1%}, {step['mean']:.1%} | "
            f"{busy['within_15pct']} | {busy['worst']:.1%}, {busy['mean']:.1%} | {s['date']} {refs(s)} |"]
     if s.get("later_runs"):
@@ -522,8 +527,8 @@ def multi_gpu_table(data: dict) -> list[str]:
     refs = Refs()
     out = ["", "## Several GPUs (DDP)", "",
            "The same global batch on one GPU and on two, each under its own 4 GiB budget.", "",
-           "| tokens a row | global batch | micro-batch per GPU | 1 GPU tokens/s | 2 GPUs tokens/s | 2 GPUs over 1 | "
-           "measured |", "|---|---|---|---|---|---|---|"]
+           *head("tokens a row", "global batch", "micro-batch per GPU", "1 GPU tokens/s", "2 GPUs tokens/s",
+                 "2 GPUs over 1", "measured")]
     for e in m.values():
         t = e["tokens_per_s"]
         out.append(f"| {e['seq']:,} | {e['global_batch']} | {e['micro_batch_per_gpu']} | {n(t.get('1'))} | "
@@ -541,8 +546,7 @@ def reach_table(data: dict) -> list[str]:
     out = ["", "## Reach: bigger models and longer rows under 4 GiB", "",
            f"Random weights of the real shapes, effective batch 8, under an emulated {r['budget_gib']:g} GiB "
            f"budget; the planner's prediction beside each peak. {r['machine']}, {r['date']} {refs(r)}.", "",
-           "| model | tokens a row | micro-batch × accum | options | peak GiB | planner | tokens/s |",
-           "|---|---|---|---|---|---|---|"]
+           *head("model", "tokens a row", "micro-batch × accum", "options", "peak GiB", "planner", "tokens/s")]
     for pt in r["points"]:
         fitted = pt["returncode"] == 0
         peak = n(pt["peak_device_gib"], 2) if fitted else "out of memory" if pt.get("oom") else "failed"
@@ -565,8 +569,7 @@ def cpu_table(data: dict) -> list[str]:
            "micro-batch × accumulation, the effective batch is 8 in every row); each run times a few optimizer "
            "steps per variant, the first not timed; on the CPU as it is and limited to AVX2. A DPO row is one "
            "step of notebook 07 (8 pairs: chosen, rejected and the reference forward).", "",
-           "| CPU as | variant | batch | dtype | threads | s/step | tokens/s | measured |",
-           "|---|---|---|---|---|---|---|---|"]
+           *head("CPU as", "variant", "batch", "dtype", "threads", "s/step", "tokens/s", "measured")]
     for row in c["rows"]:
         stopped = f" (stopped after {row['stopped_after_s']:g} s, {row['steps_done']} steps)" \
             if row["stopped_after_s"] else ""
@@ -589,8 +592,8 @@ def course_table(data: dict) -> list[str]:
            "SFT run, base → tuned, on 60 held-out prompts; DPO: notebook 07's held-out reward accuracy and the "
            "task metric of the SFT model → after DPO. A `make test` that failed shows its exit code and the time to "
            "the failure (the unit tests stop it before the notebooks run).", "",
-           "| machine | setup | make run | per notebook (s) | make test | SFT task metric | DPO reward accuracy, "
-           "task metric | measured |", "|---|---|---|---|---|---|---|---|"]
+           *head("machine", "setup", "make run", "per notebook (s)", "make test", "SFT task metric",
+                 "DPO reward accuracy, task metric", "measured")]
     for c in data["course"]:
         per = ", ".join(f"{name[:2]}: {sec}" for name, sec in (c["notebooks_s"] or {}).items())
         sft, dpo = c["sft"] or {}, c["dpo"] or {}
@@ -613,8 +616,7 @@ def reproducibility_table(data: dict) -> list[str]:
     refs = Refs()
     out = ["", "## Same seed, same losses", "",
            "Two CPU runs of the course's training with the same seed, one after the other.", "",
-           "| variant | against | steps | identical | largest relative loss difference | measured |",
-           "|---|---|---|---|---|---|"]
+           *head("variant", "against", "steps", "identical", "largest relative loss difference", "measured")]
     for pair in rp["pairs"]:
         out.append(f"| {pair['variant']} | {pair['against'] or 'its own second run'} | {pair['steps']} | "
                    f"{'yes' if pair['identical'] else 'no'} | {pair['max_relative_loss_difference']:.2%} | "
@@ -633,8 +635,8 @@ def lever_gains_table(data: dict) -> list[str]:
            f"Each lever taken out alone, in one run beside our default path (auto-fit on both), under a 4 GiB "
            f"budget: the median step, and the GPU's compute per token of one profiled step (what a GPU-bound "
            f"card such as a GTX 1650 pays). A lever is {lg['rule']}; the others were removed (git keeps them).",
-           "", "| lever | workload | step s: ours, without | GPU µs/token: ours, without | peak GiB: ours, without "
-           "| earns its place | measured |", "|---|---|---|---|---|---|---|"]
+           "", *head("lever", "workload", "step s: ours, without", "GPU µs/token: ours, without",
+                     "peak GiB: ours, without", "earns its place", "measured")]
     for lever, entry in lg["levers"].items():
         for workload, w in entry["workloads"].items():
             gain = f"{w['step_gain']:+.1%}; ours varied {w['step_noise']:.1%}"
@@ -660,7 +662,7 @@ def lever_memory_table(data: dict) -> list[str]:
            "Each lever taken out alone, auto-fit planned under the GTX 1650 preset (3.81 GiB, desktop reserve, "
            "context) for an effective batch of 8, from config.json alone (what auto-fit ranks by). A change means "
            f"the lever's memory decides the card's batch or checkpointing. {lm['machine']}, {lm['date']} {refs(lm)}.",
-           "", "| lever | where taking it out changes auto-fit's choice |", "|---|---|"]
+           "", *head("lever", "where taking it out changes auto-fit's choice")]
     for lever, where in lm["levers"].items():
         out.append(f"| `{lever}` | {'; '.join(where) if where else 'nowhere'} |")
     out += refs.lines()
@@ -681,8 +683,8 @@ def dpo_tables(data: dict) -> list[str]:
            "micro-batch and checkpointing the planner picks for the card. The planner's peak (nb_helpers.plan."
            f"preference, for this GPU's context) against the measured NVML peak: {d['within_10_percent']} of "
            f"{d['validated']} points within ±10%.", "",
-           "| model shape | tokens | run | batch, GC | s/step | tokens/s | peak GiB (NVML) | planned GiB | error "
-           "| planned for the GTX 1650 / its budget | measured |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           *head("model shape", "tokens", "run", "batch, GC", "s/step", "tokens/s", "peak GiB (NVML)", "planned GiB",
+                 "error", "planned for the GTX 1650 / its budget", "measured")]
     for p in d["points"]:
         failed = "" if p["returncode"] == 0 else f" (exit {p['returncode']})"
         error = "–" if p["planner_error"] is None else f"{p['planner_error']:+.1%}"
@@ -693,8 +695,7 @@ def dpo_tables(data: dict) -> list[str]:
                    f"{p['date']} {refs(p)} |")
     if d["speed"]:
         out += ["", "Same run, same point: ours against TRL's plain DPO recipe.", "",
-                "| model shape | tokens | plain tokens/s, peak GiB | ours | ours-fit | measured |",
-                "|---|---|---|---|---|---|"]
+                *head("model shape", "tokens", "plain tokens/s, peak GiB", "ours", "ours-fit", "measured")]
         for sp in d["speed"]:
             cells = [f"{n(sp[k]['tokens_per_s'])}, {n(sp[k]['peak_device_gib'], 2)} ({sp[k]['speedup']:.2f}×)"
                      if k in sp else "–" for k in ("ours", "ours-fit")]
