@@ -89,14 +89,6 @@ def off_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
             for lever in levers for w in workloads if w in ONLY_AT.get(lever, (w,))]
 
 
-def on_card_runs(counts: list[int], workloads: list[str], steps: int) -> list[dict]:
-    """--on-card: auto-fit's choice at 8 x 2048 set by hand (8 x 1, checkpoints in CPU RAM) with the last K recomputed
-    layers' checkpoints kept on the card (RunConfig.checkpoints_on_card), each K in one run: what the copies cost."""
-    return [dict(workload="w2048", recipe="ours", name=f"offload-8x1-on-card-{count}", batch=8, accum=1, gc=True,
-                 offload=True, on_card=count, profile=True, steps=steps + 1)
-            for count in counts if "w2048" in workloads]
-
-
 def gain_runs(levers: list[str], workloads: list[str], steps: int) -> list[dict]:
     """The pruning measurement: our default (auto-fit) at each workload, each named lever taken out alone, then our
     default once more: the two `ours` runs bracket the host's drift over the call."""
@@ -429,7 +421,6 @@ def ours_worker(spec: dict) -> dict:
                     cuda_graphs=spec.get("cuda_graphs"), fast_path=spec.get("fast_path", True),
                     offload_checkpoints=spec.get("offload", False),
                     no_recompute_layers=spec.get("no_recompute_layers", 0),
-                    checkpoints_on_card=spec.get("on_card", 0),
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))
@@ -526,8 +517,6 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
                         "levers taken out alone, at each workload (the pruning measurement)")
     parser.add_argument("--with-reference", action="store_true", help="with --gains: the reference recipe too, "
                         "first at each workload (the headline and the levers' gains in one run)")
-    parser.add_argument("--on-card", default=None, help="comma list of counts: 8 x 2048 set by hand with checkpoints "
-                        "in CPU RAM but the last K on the card, one run each (kept whatever --only says)")
     parser.add_argument("--only", default=None, help="comma list of run names to keep (e.g. reference,ours)")
     parser.add_argument("--steps", type=int, default=WARMUP + 10)
     parser.add_argument("--budget", type=float, default=4.0, help="GiB, CUDA context included")
@@ -555,8 +544,6 @@ def planned_runs(args: argparse.Namespace) -> list[dict]:
         if args.with_reference:  # the reference first, as main_runs has it: our default's runs then come beside it
             plan += [spec for w in workloads for spec in main_runs(w, args.steps) if spec["name"] == "reference"]
         plan += gain_runs(args.gains.split(","), workloads, args.steps)
-    if args.on_card:
-        plan += on_card_runs([int(k) for k in args.on_card.split(",")], workloads, args.steps)
     if args.turing:
         plan += [spec for workload in workloads for spec in turing_runs(workload, args.steps)]
     if args.levers:
@@ -612,8 +599,6 @@ def main() -> None:
     out = {"budget_gib": args.budget, "model": "TinyLlama-1.1B shape, random weights (bench/build_tinyllama_shape.py)",
            "warmup_steps": WARMUP, "workloads": {}}
     keep = set(args.only.split(",")) if args.only else None
-    if keep is not None and args.on_card:
-        keep |= {spec["name"] for spec in on_card_runs([int(k) for k in args.on_card.split(",")], ["w2048"], 0)}
     for spec in planned_runs(args):
         workload = spec["workload"]
         seq = WORKLOADS[workload]

@@ -139,8 +139,6 @@ class RunConfig:
     cuda_graphs: bool | None = None
     # GPU + GC: the last N layers keep their activations, not recomputed: less compute, N layers' activations more
     no_recompute_layers: int = 0  # memory (`plan` shows it); auto_fit takes what fits where it pays. Try 2-4
-    # GPU + offload_checkpoints: the last N recomputed layers keep their checkpoints on the card (N x tokens x hidden x
-    checkpoints_on_card: int = 0  # 2 bytes more, fewer copies); auto_fit takes what fits. Try 4-8 at long rows
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides epochs
     max_length: int = 512  # tokens per sequence; longer costs activation memory
@@ -233,8 +231,7 @@ class RunConfig:
 
     def summary_line(self) -> str:
         steps = f"max_steps={self.max_steps}" if self.max_steps > 0 else f"epochs={self.num_train_epochs:g}"
-        in_ram = f" (checkpoints in CPU RAM{f', the last {self.checkpoints_on_card} on the card' * (self.checkpoints_on_card > 0)})"
-        gc = ("on" + in_ram * self.offload_checkpoints + f", the last {self.no_recompute_layers} "
+        gc = ("on" + " (checkpoints in CPU RAM)" * self.offload_checkpoints + f", the last {self.no_recompute_layers} "
               "layers not recomputed" * (self.no_recompute_layers > 0)) if self.gradient_checkpointing else "off"
         return (f"r={self.lora_r} alpha={self.lora_alpha} targets={','.join(self.target_modules)} | "
                 f"batch {self.micro_batch_size} x accum {self.grad_accum} | lr {self.learning_rate:g} | "
@@ -304,8 +301,6 @@ RANGES = {
                                                            f"{MAX_STEPS:,} optimizer steps; try 60 for a quick run"),
     "no_recompute_layers": (lambda v: 0 <= v <= 1024, "must be >= 0 (and at most 1024) layers (0: every "
                                                       "checkpointed layer recomputes)"),
-    "checkpoints_on_card": (lambda v: 0 <= v <= 1024, "must be >= 0 (and at most 1024) layers (0: every "
-                                                      "offloaded checkpoint goes to CPU RAM)"),
     "max_length": (lambda v: 16 <= v <= MAX_LENGTH, f"must be >= 16 (to hold a prompt and an answer) and at most "
                                                     f"{MAX_LENGTH:,} tokens; try 512"),
     "seed": (lambda v: 0 <= v < 2**32, "must be in 0 .. 2**32 - 1 (numpy's seeds); try 42"),

@@ -28,13 +28,11 @@ def fused_model(tiny_cfg, dtype="float32", kernels=False, targets=None, fused_bl
 
 
 def use_checkpoints(model, dead_tail: bool, offload: bool = False, graphs: bool = False, no_recompute: int = 0,
-                    down_once: bool = True, on_card: int = 0):
+                    down_once: bool = True):
     """Reentrant checkpoints through the fast path's checkpoint functions, the recompute's dead product skipped or not,
-    its forward's LoRA products reused or not, the last `no_recompute` layers not checkpointed, and offloaded, the
-    last `on_card` recomputed layers' checkpoints kept on the card."""
+    its forward's LoRA products reused or not, the last `no_recompute` layers not checkpointed."""
     state.attach(model, FastOptions(lean=True, fused_lora=True, reentrant=True, dead_tail=dead_tail, graphs=graphs,
-                                    down_once=down_once), use_graphs=graphs, no_recompute=no_recompute,
-                 on_card=on_card)
+                                    down_once=down_once), use_graphs=graphs, no_recompute=no_recompute)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     checkpoints.set_checkpoint_offload(model, offload)
 

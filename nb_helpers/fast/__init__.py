@@ -65,8 +65,7 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
     from nb_helpers.fast.mask import install_mask_drop
 
     state = attach(model, fast, use_graphs=cfg.graphs_wanted,
-                   no_recompute=cfg.no_recompute_layers if cfg.gradient_checkpointing else 0,
-                   on_card=cfg.checkpoints_on_card if cfg.gradient_checkpointing else 0)
+                   no_recompute=cfg.no_recompute_layers if cfg.gradient_checkpointing else 0)
     if fast.nomask:
         install_mask_drop(model)
     if fast.fused_lora:
@@ -131,11 +130,10 @@ def adapt_trainer(trainer, model) -> None:
 
 
 def use_checkpoint_choice(model, offload: bool | None = None, graphs: bool | None = None,
-                          no_recompute_layers: int | None = None, checkpoints_on_card: int | None = None) -> None:
+                          no_recompute_layers: int | None = None) -> None:
     """Auto-fit's choice (or its trial's) for this model's checkpoints: in CPU RAM where the fast path installed the
-    offload, replayed as CUDA graphs, how many of the last layers keep their activations, and how many more keep
-    their checkpoints on the card while the others go to CPU RAM; None leaves one as it is. fast.checkpoints reads
-    them when it points each layer at its checkpoint function."""
+    offload, replayed as CUDA graphs, and how many of the last layers keep their activations; None leaves one as it
+    is. fast.checkpoints reads them when it points each layer at its checkpoint function."""
     state = path_of(model)
     if state is None:
         raise ValueError("use_checkpoint_choice: this model was not prepared by attach_lora")
@@ -145,8 +143,6 @@ def use_checkpoint_choice(model, offload: bool | None = None, graphs: bool | Non
         state.use_graphs = bool(graphs)
     if no_recompute_layers is not None:
         state.no_recompute = max(0, int(no_recompute_layers))
-    if checkpoints_on_card is not None:
-        state.on_card = max(0, int(checkpoints_on_card))
 
 
 def can_offload(model) -> bool:
@@ -273,13 +269,11 @@ def planned_fit_length(cfg, seq: int) -> int:
 
 
 def prepare_trial(model, checkpointing: bool, offload: bool = False, graphs: bool = False,
-                  no_recompute_layers: int = 0, checkpoints_on_card: int = 0) -> None:
-    """A candidate's checkpoints on the model: on or off, in CPU RAM (but the last checkpoints_on_card), as CUDA
-    graphs, the last layers kept."""
+                  no_recompute_layers: int = 0) -> None:
+    """A candidate's checkpoints on the model: on or off, in CPU RAM, as CUDA graphs, the last layers kept."""
     from nb_helpers.fast.checkpoints import checkpoint_kwargs, set_checkpoint_offload
 
-    use_checkpoint_choice(model, graphs=graphs, no_recompute_layers=no_recompute_layers if checkpointing else 0,
-                          checkpoints_on_card=checkpoints_on_card if checkpointing and offload else 0)
+    use_checkpoint_choice(model, graphs=graphs, no_recompute_layers=no_recompute_layers if checkpointing else 0)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(model))
         set_checkpoint_offload(model, offload)

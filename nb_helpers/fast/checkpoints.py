@@ -53,35 +53,29 @@ def tail_lever_on(model=None) -> bool:
 
 
 def set_checkpoint_offload(model, offload: bool) -> None:
-    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM (all but the last
-    checkpoints_on_card), replayed as CUDA graphs (graphs_on), both, or torch's plain checkpoint; each recompute
-    skipping its dead product (tail_lever_on) and, with it, reusing its forward's LoRA products (lever down_once)."""
+    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
+    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
+    it, reusing its forward's LoRA products (lever down_once)."""
     from torch.utils.checkpoint import checkpoint
 
     graphs, tail = graphs_on(model), tail_lever_on(model)
     down_once = options_of(model).down_once
     # the attention a checkpoint's forward sends to CPU RAM with it: offloaded eager checkpoints with down_once's stash
     saved = bool(options_of(model).saved_attention and offload and not graphs and tail and down_once)
-    on_card = functools.partial(checkpoint, **checkpoint_kwargs(model))
-    in_ram = functools.partial(offloaded_checkpoint, **checkpoint_kwargs(model))
+    plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     layers = compat.checkpointed_layers(model)
     first_kept = len(layers) - min(len(layers), no_recompute_layers(model))  # the last layers keep activations
-    # offloaded, the last recomputed layers may keep their checkpoints on the card (checkpoints_on_card): theirs are
-    # the first the backward needs, so the step neither waits for their copies out nor for their copies back
-    first_on_card = first_kept - min(first_kept, checkpoints_on_card(model)) if offload else 0
     for index, layer in enumerate(layers):
         if index >= first_kept:
             recompute.mark(layer, False)
             saved_attention.mark(layer, False)
             compat.set_checkpoint_function(layer, kept_function(layer, graphs))
             continue
-        offloaded = offload and index < first_on_card
-        plain = in_ram if offloaded else on_card
         recompute.mark(layer, tail, down_once)
-        saved_attention.mark(layer, saved and offloaded)
+        saved_attention.mark(layer, saved)
         function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
                                                             checkpoint=plain)
-        compat.set_checkpoint_function(layer, graphed_function(layer, offloaded) if graphs else function)
+        compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
 
 
 def no_recompute_layers(model) -> int:
@@ -89,13 +83,6 @@ def no_recompute_layers(model) -> int:
     after_lora and auto-fit record on the model)."""
     state = path_of(model)
     return max(0, int(state.no_recompute or 0)) if state is not None else 0
-
-
-def checkpoints_on_card(model) -> int:
-    """How many of the last recomputed layers keep their checkpoints on the card when the others go to CPU RAM
-    (RunConfig.checkpoints_on_card, which after_lora and auto-fit record on the model)."""
-    state = path_of(model)
-    return max(0, int(state.on_card or 0)) if state is not None else 0
 
 
 def called_directly(function, *args, **kwargs):

@@ -1,7 +1,6 @@
 """What the fast path keeps for one model, in one object on it: the levers the run may use, what each installer found
 when it met the model, and the checkpoint choice (in CPU RAM, replayed as CUDA graphs, how many of the last layers
-not recomputed, how many keep their checkpoints on the card). Only fast/ writes it; auto-fit changes the choice
-through nb_helpers.fast.use_checkpoint_choice.
+not recomputed). Only fast/ writes it; auto-fit changes the choice through nb_helpers.fast.use_checkpoint_choice.
 (The per-layer marks its kernels read while they run stay on those layers: fast.recompute, fast.fused_lora, ...)"""
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ class FastPath:
     offload: bool | None = None  # checkpoints in CPU RAM; None: the offload is not installed on this model
     use_graphs: bool = True  # the run's choice (RunConfig.cuda_graphs, or auto-fit's)
     no_recompute: int = 0  # the last layers that keep their activations (RunConfig.no_recompute_layers, or auto-fit's)
-    on_card: int = 0  # offloaded, the last recomputed layers whose checkpoints stay on the card (checkpoints_on_card)
 
 
 def path_of(model) -> FastPath | None:
@@ -34,11 +32,10 @@ def options_of(model) -> FastOptions:
     return state.options if state is not None else FastOptions.from_env()
 
 
-def attach(model, options: FastOptions, use_graphs: bool, no_recompute: int, on_card: int = 0) -> FastPath:
+def attach(model, options: FastOptions, use_graphs: bool, no_recompute: int) -> FastPath:
     """A fresh state on the model (keeping what installers found before it: fast.kernels runs before LoRA)."""
     found = path_of(model)
-    state = FastPath(options, dict(found.ran) if found else {}, use_graphs=use_graphs, no_recompute=no_recompute,
-                     on_card=on_card)
+    state = FastPath(options, dict(found.ran) if found else {}, use_graphs=use_graphs, no_recompute=no_recompute)
     setattr(model, ATTRIBUTE, state)
     return state
 
