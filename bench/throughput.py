@@ -122,7 +122,7 @@ def lever_runs(workloads: list[str], steps: int) -> list[dict]:
               steps=steps + 1) for w in ("w2048", "w512")],
     ]
     host = [spec for w in ("w512", "w2048") for spec in (
-        run(w, "host-profile-8x1", 8, 1, cprofile=True),  # cProfile of the host's Python over the steps
+        run(w, "host-profile", 8, 1, auto_fit=True, cprofile=True),  # cProfile of our default's host over 3 steps
         run(w, "host-phases", 8, 1, auto_fit=True, phases=True))]  # the host's time between points of the step
     return [spec for spec in off_runs(list(LEVERS), workloads, steps) + passed_over + host
             if spec["workload"] in workloads]
