@@ -214,7 +214,7 @@ class HostProfile:
             stats = pstats.Stats(self.profiler, stream=text)
             stats.sort_stats("tottime").print_stats(40)
             stats.sort_stats("cumulative").print_stats(120)
-            stats.print_callers("synchronize|method 'item'|method 'cpu'|method 'to' of")
+            stats.print_callers("synchronize|method 'item'|method 'cpu'|method 'to' of|parameters|zero_grad")
             self.report = text.getvalue()[-60000:]
             self.profiler = None
 

@@ -30,3 +30,23 @@ def test_budget_caps_the_allocator_context_included():
         torch.empty(int(0.6 * 2**30), dtype=torch.uint8, device="cuda")  # would cross the cap
     del fits
     torch.cuda.empty_cache()
+
+
+def test_a_snapshot_reads_the_allocator_s_statistics_once(monkeypatch):
+    """metrics.jsonl takes a snapshot at every step: the four allocator figures come from one memory_stats() (each of
+    torch.cuda.memory_allocated() and its siblings builds all of them), and mean what those functions return."""
+    import torch
+
+    from nb_helpers.plan import memory
+
+    calls = []
+    stats = {"allocated_bytes.all.current": 1 * 2**30, "reserved_bytes.all.current": 2 * 2**30,
+             "reserved_bytes.all.peak": 3 * 2**30, "allocated_bytes.all.peak": 4 * 2**30}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a, **k: calls.append(1) or stats)
+    monkeypatch.setattr(memory, "process_used_bytes", lambda index=0: 5 * 2**30)
+    snap = memory.memory_snapshot()
+    assert len(calls) == 1
+    assert (snap["torch_allocated_gib"], snap["torch_reserved_gib"], snap["torch_peak_gib"],
+            snap["torch_peak_allocated_gib"], snap["device_used_gib"]) == (1, 2, 3, 4, 5)
