@@ -1,6 +1,7 @@
 """The host's share of each batch (nb_helpers.fast.host_step): rows read as numpy arrays make the same batches, and
 metrics.jsonl counts tokens from SFTTrainer's own count, whoever else counts."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -115,3 +116,49 @@ def test_the_mode_walk_runs_only_on_a_change(tiny_cfg, monkeypatch):
     twin = copy.deepcopy(model)
     twin.eval()
     assert modes(twin) == {False} and modes(model) == {True}  # the copy's method is bound to the copy
+
+
+def test_trainable_grads_zero_and_clip_what_trains_with_the_same_numbers(tiny_cfg, monkeypatch):
+    """Lever trainable_grads: two steps with it and without, from the same seed, log the same losses and gradient
+    norms; with it the Trainer's zero_grad and clipping walk no module, and zero_grad keeps Module.zero_grad's
+    in-place form."""
+    import torch
+
+    from nb_helpers import training
+    from nb_helpers.metrics import read_metrics
+
+    def two_steps(lever: str, runs: str):
+        monkeypatch.setenv(fastpath.ENV_VAR, f"trainable_grads={lever}")
+        cfg = tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0, runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
+        run = training.prepare_run(cfg, None, False)
+        training.load_for_training(run, False)
+        training.open_run_folder(run, (), False)
+        trainer = training.build_trainer(run)
+        walks = []
+        named_modules = torch.nn.Module.named_modules
+
+        def counted(self, *args, **kwargs):
+            if self is run.model:
+                walks.append(self)
+            return named_modules(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, "named_modules", counted)
+        with training.guard_training(run, trainer):
+            trainer.train()
+        monkeypatch.setattr(torch.nn.Module, "named_modules", named_modules)
+        training.finish_run(run, trainer, False)
+        steps = [(r["loss"], r["grad_norm"]) for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
+        return steps, len(walks), run.model
+
+    without, walks_without, _ = two_steps("0", "without")
+    with_lever, walks_with, model = two_steps("1", "with")
+    assert len(with_lever) == 2 and with_lever == without
+    assert walks_with <= walks_without - 6  # zero_grad at the start and after each step, clipping at each step
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for param in trainable:
+        param.grad = torch.ones_like(param)
+    model.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in trainable)
+    model.zero_grad()
+    assert all(p.grad is None for p in model.parameters())

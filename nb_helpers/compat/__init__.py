@@ -102,6 +102,11 @@ CHECKS: tuple[Check, ...] = (
     _check("huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE", COURSE,  # set by safety/hub
            _at("datasets.config.HF_HUB_OFFLINE", kind=bool), kind=bool),
     _check(f"{TRAINER}.floating_point_ops(inputs)", COURSE, first=("self", "inputs")),
+    _check(f"{TRAINER}._clip_grad_norm(model), model.zero_grad() in its step loop (_run_epoch)", "trainable_grads",
+           _in_source("transformers.trainer", "Trainer._run_epoch", says=(
+               "grad_norm = self._clip_grad_norm(model)", "model.zero_grad()")),
+           first=("self", "model"), says=(
+               "return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)",)),
     _check(f"{TRAINER}.create_optimizer", "direct_optim",
            _at(f"{TRAINER}.create_optimizer_and_scheduler", says=("self.create_optimizer()",))),
     _check(f"{PTM}.hf_quantizer", COURSE, _at(f"{PTM}.save_pretrained", says=("getattr(self, 'hf_quantizer', None)",))),
@@ -304,6 +309,12 @@ def set_trainer_device(trainer, device) -> None:
 def set_gpu_count(args, count: int) -> None:
     """TrainingArguments.n_gpu reads _n_gpu: what the Trainer wraps the model over (1: no nn.DataParallel)."""
     args._n_gpu = count
+
+
+def clip_these_grads(trainer, parameters: list) -> None:
+    """The Trainer clips the gradients of `parameters` (a list), through accelerate as it does model.parameters(); on
+    one process and with DDP those are the same tensors that have a gradient."""
+    trainer._clip_grad_norm = lambda model: trainer.accelerator.clip_grad_norm_(parameters, trainer.args.max_grad_norm)
 
 
 def save_checkpoint(trainer) -> None:

@@ -119,6 +119,10 @@ def adapt_trainer(trainer, model) -> None:
         from nb_helpers.fast.host_step import walk_modes_on_change
 
         walk_modes_on_change(model)
+    if fast.trainable_grads:
+        from nb_helpers.fast.host_step import walk_trainable_grads
+
+        walk_trainable_grads(trainer, model)
     if fast.nomask:
         from nb_helpers.fast.mask import guard_collator
 

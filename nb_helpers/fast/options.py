@@ -50,6 +50,8 @@ class FastOptions:
     #                               waits on every backward before the optimizer step is queued (fast.host_step); CUDA
     mode_on_change: bool = True  # model.train() walks the modules only when the mode changes: the Trainer calls it
     #                              before every micro-batch (fast.host_step); CUDA
+    trainable_grads: bool = True  # the Trainer zeroes and clips the trainable parameters' gradients, not walking every
+    #                               module twice a step for them (fast.host_step); CUDA
     frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
     saved_attention: bool = True  # where checkpoints go to CPU RAM, each layer's forward sends its attention output
@@ -163,6 +165,8 @@ LEVERS = {
     "mode_on_change": ("`model.train()`, which the Trainer calls before every micro-batch, walks the modules only "
                        "when the mode changes", "70,040 against 68,552 tokens/s at 8 x 2048, 56,815 against 52,186 "
                        "at 8 x 512"),
+    "trainable_grads": ("the Trainer zeroes and clips the trainable parameters' gradients without walking every "
+                        "module for them, twice a step", "not measured yet"),
     "frozen_norms": ("the norms' backward for frozen weights: liger's own kernel over the rows, no weight gradient, "
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
