@@ -129,7 +129,8 @@ def test_trainable_grads_zero_and_clip_what_trains_with_the_same_numbers(tiny_cf
 
     def two_steps(lever: str, runs: str):
         monkeypatch.setenv(fastpath.ENV_VAR, f"trainable_grads={lever}")
-        cfg = tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0, runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
+        cfg = tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0,
+                               runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
         run = training.prepare_run(cfg, None, False)
         training.load_for_training(run, False)
         training.open_run_folder(run, (), False)

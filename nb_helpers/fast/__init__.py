@@ -217,7 +217,8 @@ def lever_table(cfg) -> str:
 
     fast = options_for(cfg)
     where = "no CUDA GPU here" if not torch.cuda.is_available() else "fast_path=False" if not cfg.fast_path else ""
-    rows = ["| lever | runs here | what it changes | measured alone (H200, 4 GiB budget, TinyLlama-1.1B shape) |",
+    rows = ["| lever | runs here | what it changes | measured alone (an H200 unless it says, 4 GiB budget, "
+            "TinyLlama-1.1B shape) |",
             "|---|---|---|---|"]
     for name, (what, measured) in LEVERS.items():
         on = getattr(fast, name) and not where
