@@ -39,11 +39,8 @@ def test_the_inventory_is_well_formed():
     for check in compat.CHECKS:
         assert check.levers and set(check.levers) <= levers, f"{check.api}: unknown lever in {check.levers}"
         assert check.library in {"torch", "transformers", "peft", "bitsandbytes", "trl", "liger_kernel", "gguf",
-                                 "huggingface_hub"}
+                                 "huggingface_hub", "accelerate"}
     assert {p.name for p in COMPAT_FILES} == {"__init__.py", "probes.py", "adapter_keys.py"}
-    for path in COMPAT_FILES:
-        lines = path.read_text(encoding="utf-8").count("\n")
-        assert lines <= 400, f"{path.name} has {lines} lines"  # the package's limit (test_package_structure)
 
 
 def test_importing_compat_imports_no_library_and_no_other_module_of_ours():

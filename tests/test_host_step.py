@@ -163,3 +163,47 @@ def test_trainable_grads_zero_and_clip_what_trains_with_the_same_numbers(tiny_cf
     assert all(p.grad is not None and not p.grad.any() for p in trainable)
     model.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_rows_ahead_reads_the_next_step_before_this_one_ends(tiny_cfg, monkeypatch):
+    """Lever rows_ahead: with it, the next step's micro-batches are collated by the time a step ends (before the
+    metrics' synchronize), one step's worth more than without; the same batches train, so the same losses."""
+    from transformers import TrainerCallback
+
+    from nb_helpers import training
+    from nb_helpers.metrics import read_metrics
+
+    def three_steps(lever: str, runs: str):
+        monkeypatch.setenv(fastpath.ENV_VAR, f"rows_ahead={lever}")
+        cfg = tiny_cfg.replace(max_steps=3, task_eval_samples=0, eval_steps=0,
+                               runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
+        run = training.prepare_run(cfg, None, False)
+        training.load_for_training(run, False)
+        training.open_run_folder(run, (), False)
+        trainer = training.build_trainer(run)
+        collated, at_step_end = [], []
+        collate = trainer.data_collator
+
+        def counted(rows):
+            batch = collate(rows)
+            collated.append(batch["input_ids"].clone())
+            return batch
+
+        class AtStepEnd(TrainerCallback):
+            def on_step_end(self, *args, **kwargs):
+                at_step_end.append(len(collated))
+
+        trainer.data_collator = counted
+        trainer.callback_handler.callbacks.insert(0, AtStepEnd())  # before the metrics' synchronize
+        with training.guard_training(run, trainer):
+            trainer.train()
+        training.finish_run(run, trainer, False)
+        losses = [r["loss"] for r in read_metrics(run.run_dir / "metrics.jsonl") if "loss" in r]
+        return losses, collated, at_step_end, trainer.args.gradient_accumulation_steps
+
+    losses_without, batches_without, ends_without, accum = three_steps("0", "without")
+    losses_with, batches_with, ends_with, _ = three_steps("1", "with")
+    assert len(losses_with) == 3 and losses_with == losses_without
+    assert [e - w for e, w in zip(ends_with, ends_without)][:2] == [accum, accum]
+    trained = 3 * accum  # the batches that reached a step, in order
+    assert all(a.equal(b) for a, b in zip(batches_with[:trained], batches_without[:trained]))

@@ -107,6 +107,11 @@ CHECKS: tuple[Check, ...] = (
                "grad_norm = self._clip_grad_norm(model)", "model.zero_grad()")),
            first=("self", "model"), says=(
                "return self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)",)),
+    _check("accelerate.data_loader.DataLoaderShard.__iter__: self.base_dataloader.__iter__()", "rows_ahead",
+           _in_source("transformers.trainer", "Trainer._inner_training_loop", says=(
+               "train_dataloader = self.get_train_dataloader()",)),
+           _at("transformers.trainer_callback.TrainerCallback", attrs=("on_optimizer_step",)),
+           says=("dataloader_iter = self.base_dataloader.__iter__()",)),
     _check(f"{TRAINER}.create_optimizer", "direct_optim",
            _at(f"{TRAINER}.create_optimizer_and_scheduler", says=("self.create_optimizer()",))),
     _check(f"{PTM}.hf_quantizer", COURSE, _at(f"{PTM}.save_pretrained", says=("getattr(self, 'hf_quantizer', None)",))),
@@ -315,6 +320,19 @@ def clip_these_grads(trainer, parameters: list) -> None:
     """The Trainer clips the gradients of `parameters` (a list), through accelerate as it does model.parameters(); on
     one process and with DDP those are the same tensors that have a gradient."""
     trainer._clip_grad_norm = lambda model: trainer.accelerator.clip_grad_norm_(parameters, trainer.args.max_grad_norm)
+
+
+def iterate_batches_through(loader, epoch) -> bool:
+    """accelerate's DataLoaderShard iterates its torch DataLoader as `self.base_dataloader.__iter__()`: have each such
+    iterator handed out as epoch(the DataLoader's own iterator). False for any other loader (left as it is)."""
+    from accelerate.data_loader import DataLoaderShard
+
+    base = loader.__dict__.get("base_dataloader")
+    if base is None or not issubclass(type(loader), DataLoaderShard):  # type(): its __class__ answers the base's
+        return False
+    stock = type(base).__iter__
+    base.__iter__ = lambda: epoch(stock(base))
+    return True
 
 
 def save_checkpoint(trainer) -> None:

@@ -13,10 +13,10 @@ module, and only through these calls:
                                           #   fast.fused_lora, fast.fused_block, fast.frozen_norms,
                                           #   fast.saved_attention, fast.checkpoints, fast.offload, fast.graphed_layers)
     SFTConfig(..., **trainer_arguments(model))  # reentrant checkpoints, the token count, batch padding
-    adapt_trainer(trainer, model)         # rows read as arrays, the mode switched on a change, gradients zeroed and
-                                          #   clipped over the trainable parameters, the collator's padding check,
-                                          #   bitsandbytes' AdamW kernels called directly (fast.host_step,
-                                          #   fast.optimizer_step)
+    adapt_trainer(trainer, model)         # rows read as arrays and a step ahead, the mode switched on a change,
+                                          #   gradients zeroed and clipped over the trainable parameters, the
+                                          #   collator's padding check, bitsandbytes' AdamW kernels called
+                                          #   directly (fast.host_step, fast.optimizer_step)
     fit_length, prepare_trial, trial_guard, end_trial, use_checkpoint_choice, can_offload   # auto-fit's trial
     planned_fit_length                    # the length auto-fit fits for, before the model loads (the panel)
     levers_ran, levers_line, lever_table  # what config.json, summary.json, the log and notebook 03 say ran
@@ -103,9 +103,9 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
 
 def adapt_trainer(trainer, model) -> None:
-    """On a built trainer: the training rows read as arrays, model.train() walks the modules only on a change, the
-    gradients are zeroed and clipped over the trainable parameters; a batch that is not right-padded turns the mask
-    drop off; the optimizer steps through bitsandbytes' kernels directly."""
+    """On a built trainer: the training rows read as arrays and a step ahead, model.train() walks the modules only on
+    a change, the gradients are zeroed and clipped over the trainable parameters; a batch that is not right-padded
+    turns the mask drop off; the optimizer steps through bitsandbytes' kernels directly."""
     state = path_of(model)
     if state is None or not any(state.options.speed_levers().values()):  # the plain stack: the Trainer as TRL built it
         return
@@ -125,6 +125,10 @@ def adapt_trainer(trainer, model) -> None:
         from nb_helpers.fast.host_step import walk_trainable_grads
 
         walk_trainable_grads(trainer, model)
+    if fast.rows_ahead:
+        from nb_helpers.fast.host_step import read_rows_ahead
+
+        record(model, "rows_ahead", read_rows_ahead(trainer))
     if fast.nomask:
         from nb_helpers.fast.mask import guard_collator
 

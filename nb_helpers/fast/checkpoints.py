@@ -15,7 +15,7 @@ import functools
 from nb_helpers import compat
 from nb_helpers.fast import recompute, saved_attention
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint, graphed_kept
-from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
+from nb_helpers.fast.offload import keeps_last, offload_hooks, offloaded_checkpoint
 from nb_helpers.fast.state import options_of, path_of
 from nb_helpers.frontend import say_once
 
@@ -53,9 +53,10 @@ def tail_lever_on(model=None) -> bool:
 
 
 def set_checkpoint_offload(model, offload: bool) -> None:
-    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
-    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
-    it, reusing its forward's LoRA products (lever down_once)."""
+    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM (the last of them kept on the
+    card, fast.offload says why), replayed as CUDA graphs (graphs_on), both, or torch's plain checkpoint; each
+    recompute skipping its dead product (tail_lever_on) and, with it, reusing its forward's LoRA products (lever
+    down_once)."""
     from torch.utils.checkpoint import checkpoint
 
     graphs, tail = graphs_on(model), tail_lever_on(model)
@@ -73,8 +74,11 @@ def set_checkpoint_offload(model, offload: bool) -> None:
             continue
         recompute.mark(layer, tail, down_once)
         saved_attention.mark(layer, saved)
-        function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
-                                                            checkpoint=plain)
+        own = plain
+        if offload and index == first_kept - 1 and keeps_last():  # its backward comes first: no copy out and back
+            own = functools.partial(plain, keep_on_card=True)
+        function = own if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
+                                                          checkpoint=own)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
 
 

@@ -52,6 +52,8 @@ class FastOptions:
     #                              before every micro-batch (fast.host_step); CUDA
     trainable_grads: bool = True  # the Trainer zeroes and clips the trainable parameters' gradients, not walking every
     #                               module twice a step for them (fast.host_step); CUDA
+    rows_ahead: bool = True  # the next step's batches read and collated once the optimizer step is queued, while
+    #                          the GPU still works: not after the step's synchronize (fast.host_step); CUDA
     frozen_norms: bool = True  # RMSNorm's backward for frozen norm weights over all rows at once, the layer input's
     #                            two gradients summed inside it (fast.frozen_norms); CUDA, fused_block, liger
     saved_attention: bool = True  # where checkpoints go to CPU RAM, each layer's forward sends its attention output
@@ -169,6 +171,8 @@ LEVERS = {
                         "module for them, twice a step", "on an H100: 0.0357 against 0.0405 s a step on the shipped "
                         "data (25,068 against 21,779 tokens/s), within the host's drift at 8 x 512 and 8 x 2048 "
                         "(2026-12-06)"),
+    "rows_ahead": ("the next step's batches are read and collated while the GPU finishes this step, not after the "
+                   "step's synchronize", "not measured yet"),
     "frozen_norms": ("the norms' backward for frozen weights: liger's own kernel over the rows, no weight gradient, "
                      "the layer input's two gradients summed inside it", "GPU compute 12.39 against 12.65 us/token at "
                      "8 x 2048 (69,926 against 66,934 tokens/s; norm backward kernels 2.9 against 7.2 ms a step), "
