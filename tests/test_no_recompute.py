@@ -73,8 +73,9 @@ def test_more_layers_kept_than_there_are_keeps_them_all(tiny_cfg):
 
 @pytest.mark.parametrize("no_recompute", [0, 1])
 def test_the_last_offloaded_layer_keeps_its_checkpoint_on_the_card(tiny_cfg, monkeypatch, no_recompute):
-    """Offloaded checkpoints: the last layer that still checkpoints (the first backward) keeps its checkpoint on the
-    card, every layer before it copies; NB_OFFLOAD_LAST=copy (for benchmarks) copies them all."""
+    """Offloaded reentrant checkpoints: the last layer that still checkpoints (the first backward) keeps its checkpoint
+    on the card, every layer before it copies; non-reentrant ones, and NB_OFFLOAD_LAST=copy (for benchmarks), copy
+    them all."""
     def keeps(function):
         checkpoint = function.keywords.get("checkpoint", function)  # the dead tail's wrapper holds it
         return checkpoint.keywords.get("keep_on_card", False)
@@ -85,6 +86,9 @@ def test_the_last_offloaded_layer_keeps_its_checkpoint_on_the_card(tiny_cfg, mon
     use_checkpoints(model, dead_tail=True, offload=True, no_recompute=no_recompute)
     assert [keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded]] == \
         [False] * (offloaded - 1) + [True]
+    state.options_of(model).reentrant = False  # non-reentrant checkpoints copy them all
+    checkpoints.set_checkpoint_offload(model, True)
+    assert not any(keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded])
     monkeypatch.setenv("NB_OFFLOAD_LAST", "copy")
     use_checkpoints(model, dead_tail=True, offload=True, no_recompute=no_recompute)
     assert not any(keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded])

@@ -3,7 +3,8 @@ stream that overlaps the compute, and comes back, one layer ahead, in the backwa
 x 2 bytes of device memory, so long rows and bigger micro-batches fit (auto-fit chooses it; offload_checkpoints asks
 for it by hand).
 
-The last offloaded layer keeps its checkpoint on the card (`keep_on_card`): its backward comes first, so a copy out
+With reentrant checkpoints (the fast path's), the last offloaded layer keeps its checkpoint on the card
+(`keep_on_card`): its backward comes first, so a copy out
 would have to come straight back while the backward waits for it (2.5 ms of 64 MiB copies each way at 8 x 2048 on
 TinyLlama), and its copy out would still be running when the loss's small copy to the host queues behind it. Its
 input stays alive until the backward either way (the compute stream lets an input go only at the next checkpoint), so
