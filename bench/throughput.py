@@ -117,9 +117,6 @@ def lever_runs(workloads: list[str], steps: int) -> list[dict]:
         # what LoRA's dropout costs, and peft's prepare_model_for_kbit_training with stock layers (the lean=0 path)
         run("w512", "all-8x1-dropout0", 8, 1, dropout=0.0),
         run("w512", "prepare-kbit-8x1", 8, 1, fast="lean=0,kernels=0,nomask=0"),
-        # the last offloaded layer's checkpoint copied out and back as the others are (fast.offload), beside today's
-        run("w2048", "offload-last-copy", 8, 1, env={"NB_OFFLOAD_LAST": "copy"}, auto_fit=True, profile=True,
-            steps=steps + 1),
         # LoRA dropout kernels' launch settings from before their sweep on an H200 (fast.lora_dropout), beside today's
         *[run(w, "lora-tiles-before", 8, 1, env={"NB_LORA_TILES": "before"}, auto_fit=True, profile=True,
               steps=steps + 1) for w in ("w2048", "w512")],

@@ -261,17 +261,11 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("keep_last", [False, True])
-def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batches(reentrant, keep_last):
+def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batches(reentrant):
     """Six checkpointed blocks, two micro-batches (the chain of fetches crosses a forward): while one block's backward
     runs, the block below is being fetched on the side stream. Gradients must equal the plain checkpoint's bitwise,
     which they would not if a fetch were read before its copy finished or a freed input were reused too early. After
-    the forward the card holds the leaf input and the one input still in flight: 4 of 6 inputs less. The same with
-    the last block's checkpoint kept on the card (as fast.checkpoints keeps the last offloaded layer's, with reentrant
-    checkpoints only): it is the one that would still be in flight, and its backward still starts the fetch of the
-    block below."""
-    if keep_last and not reentrant:
-        pytest.skip("the last layer is kept on the card with reentrant checkpoints only (fast.checkpoints)")
+    the forward the card holds the leaf input and the one input still in flight: 4 of 6 inputs less."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -290,9 +284,8 @@ def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batche
             h = (x0 * (micro + 1.0)).requires_grad_()  # a leaf, as the embedding output is: kept on the card
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            for index, block in enumerate(blocks):
-                kept = keep_last and index == len(blocks) - 1
-                h = (offloaded_checkpoint(block, h, use_reentrant=reentrant, keep_on_card=kept) if offload
+            for block in blocks:
+                h = (offloaded_checkpoint(block, h, use_reentrant=reentrant) if offload
                      else checkpoint(block, h, use_reentrant=reentrant))
             loss = h.square().mean()
             held.append(torch.cuda.memory_allocated() - before)

@@ -71,29 +71,6 @@ def test_more_layers_kept_than_there_are_keeps_them_all(tiny_cfg):
                    for layer in decoder_of(model).layers)
 
 
-@pytest.mark.parametrize("no_recompute", [0, 1])
-def test_the_last_offloaded_layer_keeps_its_checkpoint_on_the_card(tiny_cfg, monkeypatch, no_recompute):
-    """Offloaded reentrant checkpoints: the last layer that still checkpoints (the first backward) keeps its checkpoint
-    on the card, every layer before it copies; non-reentrant ones, and NB_OFFLOAD_LAST=copy (for benchmarks), copy
-    them all."""
-    def keeps(function):
-        checkpoint = function.keywords.get("checkpoint", function)  # the dead tail's wrapper holds it
-        return checkpoint.keywords.get("keep_on_card", False)
-
-    model = fused_model(tiny_cfg, fused_block=False)
-    layers = decoder_of(model).layers
-    offloaded = len(layers) - no_recompute
-    use_checkpoints(model, dead_tail=True, offload=True, no_recompute=no_recompute)
-    assert [keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded]] == \
-        [False] * (offloaded - 1) + [True]
-    state.options_of(model).reentrant = False  # non-reentrant checkpoints copy them all
-    checkpoints.set_checkpoint_offload(model, True)
-    assert not any(keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded])
-    monkeypatch.setenv("NB_OFFLOAD_LAST", "copy")
-    use_checkpoints(model, dead_tail=True, offload=True, no_recompute=no_recompute)
-    assert not any(keeps(layer._gradient_checkpointing_func) for layer in layers[:offloaded])
-
-
 def test_on_a_cpu_the_knob_says_it_does_not_apply(tiny_cfg, capsys, monkeypatch):
     from nb_helpers import frontend
 

@@ -15,7 +15,7 @@ import functools
 from nb_helpers import compat
 from nb_helpers.fast import recompute, saved_attention
 from nb_helpers.fast.graphed_layers import PAD_MULTIPLE, LayerGraphs, graphed_checkpoint, graphed_kept
-from nb_helpers.fast.offload import keeps_last, offload_hooks, offloaded_checkpoint
+from nb_helpers.fast.offload import offload_hooks, offloaded_checkpoint
 from nb_helpers.fast.state import options_of, path_of
 from nb_helpers.frontend import say_once
 
@@ -53,18 +53,16 @@ def tail_lever_on(model=None) -> bool:
 
 
 def set_checkpoint_offload(model, offload: bool) -> None:
-    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM (with reentrant checkpoints the
-    last of them kept on the card, fast.offload says why), replayed as CUDA graphs (graphs_on), both, or torch's plain checkpoint; each
-    recompute skipping its dead product (tail_lever_on) and, with it, reusing its forward's LoRA products (lever
-    down_once)."""
+    """Point every checkpointed layer at its checkpoint function: offloaded to CPU RAM, replayed as CUDA graphs
+    (graphs_on), both, or torch's plain checkpoint; each recompute skipping its dead product (tail_lever_on) and, with
+    it, reusing its forward's LoRA products (lever down_once)."""
     from torch.utils.checkpoint import checkpoint
 
     graphs, tail = graphs_on(model), tail_lever_on(model)
     down_once = options_of(model).down_once
     # the attention a checkpoint's forward sends to CPU RAM with it: offloaded eager checkpoints with down_once's stash
     saved = bool(options_of(model).saved_attention and offload and not graphs and tail and down_once)
-    reentrant = checkpoint_kwargs(model)["use_reentrant"]
-    plain = functools.partial(offloaded_checkpoint if offload else checkpoint, use_reentrant=reentrant)
+    plain = functools.partial(offloaded_checkpoint if offload else checkpoint, **checkpoint_kwargs(model))
     layers = compat.checkpointed_layers(model)
     first_kept = len(layers) - min(len(layers), no_recompute_layers(model))  # the last layers keep activations
     for index, layer in enumerate(layers):
@@ -75,11 +73,8 @@ def set_checkpoint_offload(model, offload: bool) -> None:
             continue
         recompute.mark(layer, tail, down_once)
         saved_attention.mark(layer, saved)
-        own = plain
-        if offload and index == first_kept - 1 and reentrant and keeps_last():  # its backward comes first
-            own = functools.partial(plain, keep_on_card=True)
-        function = own if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
-                                                          checkpoint=own)
+        function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
+                                                            checkpoint=plain)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
 
 

@@ -2,18 +2,10 @@
 stream that overlaps the compute, and comes back, one layer ahead, in the backward. It frees layers x tokens x hidden
 x 2 bytes of device memory, so long rows and bigger micro-batches fit (auto-fit chooses it; offload_checkpoints asks
 for it by hand).
-
-With reentrant checkpoints (the fast path's), the last offloaded layer keeps its checkpoint on the card
-(`keep_on_card`): its backward comes first, so a copy out
-would have to come straight back while the backward waits for it (2.5 ms of 64 MiB copies each way at 8 x 2048 on
-TinyLlama), and its copy out would still be running when the loss's small copy to the host queues behind it. Its
-input stays alive until the backward either way (the compute stream lets an input go only at the next checkpoint), so
-this costs no memory. Benchmarks set NB_OFFLOAD_LAST=copy to copy it as the others are, for a run beside today's.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 
@@ -24,16 +16,9 @@ class _Offloaded:
 
     __slots__ = ("host", "shape", "dtype", "device", "on_device", "ready", "previous", "companions", "__weakref__")
 
-    def __init__(self, host, like, previous, kept=None):
+    def __init__(self, host, like, previous):
         self.host, self.shape, self.dtype, self.device = host, like.shape, like.dtype, like.device
-        self.on_device, self.ready, self.previous, self.companions = kept, None, previous, ()
-
-    def wait(self) -> None:
-        """The compute stream waits for the copy back (none for a checkpoint kept on the card)."""
-        import torch
-
-        if self.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        self.on_device, self.ready, self.previous, self.companions = None, None, previous, ()
 
     def fetch(self, stream) -> None:
         """Copy back on the side stream into memory of the compute stream, so that freeing it later is ordered on
@@ -59,12 +44,6 @@ _LAST_PACKED: list = [None]  # weak reference to the checkpoint packed last
 _SENT: list = []  # (device tensor, the event that ends its copy) sent by send_to_host, until the next pack or unpack
 _COMPANIONS: list = []  # what send_to_host sent since the last pack: the next checkpoint packed fetches it back
 _OFFLOADING: list = [0]  # offload_hooks' contexts open now
-_KEEPING: list = [False]  # the checkpoint being made now stays on the card (offload_hooks(keep_on_card=True))
-
-
-def keeps_last() -> bool:
-    """Whether the last offloaded layer keeps its checkpoint on the card (not for NB_OFFLOAD_LAST=copy)."""
-    return os.environ.get("NB_OFFLOAD_LAST", "") != "copy"
 
 
 def _copy_stream(device):
@@ -73,21 +52,6 @@ def _copy_stream(device):
     if device not in _COPY_STREAMS:
         _COPY_STREAMS[device] = torch.cuda.Stream(device)
     return _COPY_STREAMS[device]
-
-
-def _copy_out(tensor):
-    """(pinned host copy, the event that ends it): copied on the side stream once the compute queued so far, which
-    made `tensor`, is done."""
-    import torch
-
-    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
-    stream = _copy_stream(tensor.device)
-    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return host, done
 
 
 def _release_in_flight(device) -> None:
@@ -111,14 +75,18 @@ def offloading() -> bool:
 def send_to_host(tensor):
     """A tensor a checkpointed layer's forward keeps for its own recompute (fast.saved_attention), sent to pinned CPU
     RAM on the checkpoints' side stream; the checkpoint packed next (that layer's input) fetches it back with itself.
-    The device tensor lives until its copy ends, as a layer input does; with its checkpoint kept on the card, it stays
-    there. Returns the handle for brought_back()."""
-    if _KEEPING[0]:
-        sent = _Offloaded(None, tensor, None, kept=tensor)
-    else:
-        host, done = _copy_out(tensor)
-        _SENT.append((tensor, done))
-        sent = _Offloaded(host, tensor, None)
+    The device tensor lives until its copy ends, as a layer input does. Returns the handle for brought_back()."""
+    import torch
+
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    _SENT.append((tensor, done))
+    sent = _Offloaded(host, tensor, None)
     _COMPANIONS.append(sent)
     return sent
 
@@ -126,14 +94,16 @@ def send_to_host(tensor):
 def brought_back(sent):
     """The tensor send_to_host sent, on the device again (fetched now unless its checkpoint fetched it already); its
     host copy is let go: each is brought back once."""
+    import torch
+
     sent.fetch(_copy_stream(sent.device))
-    sent.wait()
+    torch.cuda.current_stream(sent.device).wait_event(sent.ready)
     tensor, sent.on_device, sent.host = sent.on_device, None, None
     return tensor
 
 
 @contextmanager
-def offload_hooks(keep_on_card: bool = False):
+def offload_hooks():
     """Saved-tensor hooks that move each checkpointed layer input to pinned host memory and bring it back in the
     backward. transformers' own `offload=True` (torch's save_on_cpu) copies synchronously, which stalls the host at
     every layer: on a host-bound step that is the whole gain.
@@ -143,8 +113,7 @@ def offload_hooks(keep_on_card: bool = False):
     an H200, 2026-12-01). The side stream waits for the compute
     that produced an input; the input stays alive until the next layer's input is packed, when the compute stream
     waits for its copy; and the backward, on reaching a layer, starts fetching the one below it. So one more layer
-    input sits on the card than without overlap (the planner counts it). `keep_on_card`: this checkpoint (and what
-    the layer sends with it) stays where it is, and its backward still starts fetching the one below."""
+    input sits on the card than without overlap (the planner counts it)."""
     import weakref
 
     import torch
@@ -154,15 +123,17 @@ def offload_hooks(keep_on_card: bool = False):
             return tensor  # small or host tensors: not worth a copy
         if tensor.is_leaf and tensor.requires_grad:
             return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
         _release_in_flight(tensor.device)
+        stream = _copy_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        _IN_FLIGHT[tensor.device] = (tensor, done)
         last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
-        previous = weakref.ref(last) if last is not None else None
-        if keep_on_card:
-            packed = _Offloaded(None, tensor, previous, kept=tensor)
-        else:
-            host, done = _copy_out(tensor)
-            _IN_FLIGHT[tensor.device] = (tensor, done)
-            packed = _Offloaded(host, tensor, previous)
+        packed = _Offloaded(host, tensor, weakref.ref(last) if last is not None else None)
         packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
         _LAST_PACKED[0] = weakref.ref(packed)
         return packed
@@ -176,25 +147,22 @@ def offload_hooks(keep_on_card: bool = False):
         below = packed.previous() if packed.previous is not None else None
         if below is not None:
             below.fetch(stream)  # the next layer's backward needs it: start its copy now
-        packed.wait()
+        torch.cuda.current_stream(packed.device).wait_event(packed.ready)
         tensor, packed.on_device = packed.on_device, None
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         _OFFLOADING[0] += 1
-        keeping, _KEEPING[0] = _KEEPING[0], keep_on_card
         try:
             yield
         finally:
             _OFFLOADING[0] -= 1
-            _KEEPING[0] = keeping
 
 
-def offloaded_checkpoint(function, *args, keep_on_card: bool = False, **kwargs):
-    """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM, or on the card with
-    `keep_on_card` (the last offloaded layer's). Both variants save the layer's inputs through the hooks; the
-    recompute in the backward runs outside them, on the device."""
+def offloaded_checkpoint(function, *args, **kwargs):
+    """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM. Both variants save the
+    layer's inputs through the hooks; the recompute in the backward runs outside them, on the device."""
     from torch.utils.checkpoint import checkpoint
 
-    with offload_hooks(keep_on_card):
+    with offload_hooks():
         return checkpoint(function, *args, **kwargs)
