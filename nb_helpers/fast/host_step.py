@@ -175,8 +175,9 @@ class RowsAhead:
 
 def read_rows_ahead(trainer) -> bool:
     """Have the Trainer's training loader read the next step's batches when the optimizer step is queued (a callback
-    at on_optimizer_step): the micro-batches of one step, gradient_accumulation_steps of them. Returns whether the
-    loader it makes is one nb_helpers.compat can read ahead (accelerate's DataLoaderShard); if not, says so once."""
+    at on_optimizer_step): the micro-batches of one step, gradient_accumulation_steps of them. Returns True once
+    installed; a loader the Trainer then makes that nb_helpers.compat cannot read ahead (anything but accelerate's
+    DataLoaderShard) is left as it is, and that is said once."""
     from transformers import TrainerCallback
 
     from nb_helpers import compat
