@@ -9,17 +9,28 @@ import pytest
 from nb_helpers import fast as fastpath
 
 
-@pytest.fixture
-def trained(tiny_cfg, monkeypatch):
-    """Two steps on the tiny model with the rows read as arrays, the Trainer counting tokens too (NB_FASTPATH
-    reaches the levers' CPU halves); the trainer and its run folder."""
+def built(tiny_cfg, monkeypatch, levers: str, steps: int, runs: str | None = None):
+    """(run, trainer) for `steps` steps on the tiny model with NB_FASTPATH=`levers` (it reaches the levers' CPU
+    halves), in the runs folder `runs` below the tiny config's, if given."""
     from nb_helpers import training
 
-    monkeypatch.setenv(fastpath.ENV_VAR, "array_rows=1,one_token_count=0")
-    run = training.prepare_run(tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0), None, False)
+    monkeypatch.setenv(fastpath.ENV_VAR, levers)
+    cfg = tiny_cfg.replace(max_steps=steps, task_eval_samples=0, eval_steps=0)
+    if runs is not None:
+        cfg = cfg.replace(runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
+    run = training.prepare_run(cfg, None, False)
     training.load_for_training(run, False)
     training.open_run_folder(run, (), False)
-    trainer = training.build_trainer(run)
+    return run, training.build_trainer(run)
+
+
+@pytest.fixture
+def trained(tiny_cfg, monkeypatch):
+    """Two steps on the tiny model with the rows read as arrays, the Trainer counting tokens too; the trainer and its
+    run folder."""
+    from nb_helpers import training
+
+    run, trainer = built(tiny_cfg, monkeypatch, "array_rows=1,one_token_count=0", 2)
     with training.guard_training(run, trainer):
         trainer.train()
     training.finish_run(run, trainer, False)
@@ -128,13 +139,7 @@ def test_trainable_grads_zero_and_clip_what_trains_with_the_same_numbers(tiny_cf
     from nb_helpers.metrics import read_metrics
 
     def two_steps(lever: str, runs: str):
-        monkeypatch.setenv(fastpath.ENV_VAR, f"trainable_grads={lever}")
-        cfg = tiny_cfg.replace(max_steps=2, task_eval_samples=0, eval_steps=0,
-                               runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
-        run = training.prepare_run(cfg, None, False)
-        training.load_for_training(run, False)
-        training.open_run_folder(run, (), False)
-        trainer = training.build_trainer(run)
+        run, trainer = built(tiny_cfg, monkeypatch, f"trainable_grads={lever}", 2, runs)
         walks = []
         named_modules = torch.nn.Module.named_modules
 
@@ -174,13 +179,7 @@ def test_rows_ahead_reads_the_next_step_before_this_one_ends(tiny_cfg, monkeypat
     from nb_helpers.metrics import read_metrics
 
     def three_steps(lever: str, runs: str):
-        monkeypatch.setenv(fastpath.ENV_VAR, f"rows_ahead={lever}")
-        cfg = tiny_cfg.replace(max_steps=3, task_eval_samples=0, eval_steps=0,
-                               runs_dir=str(Path(tiny_cfg.runs_dir) / runs))
-        run = training.prepare_run(cfg, None, False)
-        training.load_for_training(run, False)
-        training.open_run_folder(run, (), False)
-        trainer = training.build_trainer(run)
+        run, trainer = built(tiny_cfg, monkeypatch, f"rows_ahead={lever}", 3, runs)
         collated, at_step_end = [], []
         collate = trainer.data_collator
 
