@@ -7,7 +7,12 @@ attribute every gap in the GPU's work to what the host was doing when it finally
 A gap ends with a kernel or copy. Its launch (matched by the trace's correlation id) sits inside CPU ops on some
 thread: the outermost of them names the phase (an optimizer step, an autograd node, a forward op) and the innermost
 the call that launched it. If the launch came before the gap began, the GPU was not waiting for the host but for
-another stream (an event or a stream wait): such gaps are counted apart as "waited on another stream"."""
+another stream (an event or a stream wait): such gaps are counted apart as "waited on another stream".
+
+A GPU-only trace (`throughput.py --gpu-trace`: no host ops, so little slowdown) still says where the compute idles:
+`compute_gaps_ms` is the idle time between compute kernels (copies left out: a checkpoint's copy beside an idle
+compute stream is not work), and `largest_compute_gaps` lists the longest stretches with the kernels on either side,
+from the start of the step."""
 
 from __future__ import annotations
 
@@ -59,6 +64,25 @@ class Stacks:
         return sorted(found, key=lambda e: -e["dur"])
 
 
+def compute_gaps(gpu: list[dict], count: int = 12) -> tuple[float, list[dict]]:
+    """(idle µs between compute kernels in all, the `count` longest idle stretches): kernels only, copies and memsets
+    left out, each stretch with its start (ms from the first kernel) and the kernels that end and begin it."""
+    copy = ("memcpy", "memset")
+    kernels = sorted((e for e in gpu if e.get("cat") == "kernel" and not any(k in e["name"].lower() for k in copy)),
+                     key=lambda e: e["ts"])
+    if not kernels:
+        return 0.0, []
+    first, stretches, end, last = kernels[0]["ts"], [], None, None
+    for e in kernels:
+        if end is not None and e["ts"] > end:
+            stretches.append({"at_ms": round((end - first) / 1e3, 3), "idle_us": round(e["ts"] - end, 1),
+                              "after": last["name"][:70], "before": e["name"][:70]})
+        if end is None or e["ts"] + e["dur"] > end:
+            end, last = e["ts"] + e["dur"], e
+    longest = sorted(stretches, key=lambda g: -g["idle_us"])[:count]
+    return sum(g["idle_us"] for g in stretches), longest
+
+
 def label(stack: list[dict]) -> tuple[str, str]:
     names = [e["name"] for e in stack if not e["name"].startswith("ProfilerStep")]
     if not names:
@@ -103,9 +127,11 @@ def analyze(events: list[dict], min_gap_us: float = 5.0) -> dict:
             outer, _ = label(stacks.enclosing(e["tid"], e["ts"]))
             syncs[f"{e['name']} in {outer}"][0] += 1
             syncs[f"{e['name']} in {outer}"][1] += e["dur"]
+    idle, longest = compute_gaps(gpu)
     top = lambda d, n: {k: round(v / 1e3, 3) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}  # noqa: E731
     return {"gpu_span_ms": round(span / 1e3, 3), "busy_ms": round(sum(b - a for a, b in busy) / 1e3, 3),
             "gaps_ms": round(total_gap / 1e3, 3), "waited_on_other_stream_ms": round(waited / 1e3, 3),
+            "compute_gaps_ms": round(idle / 1e3, 3), "largest_compute_gaps": longest,
             "gaps_by_phase_ms": top(by_phase, 20), "gaps_by_call_ms": top(by_call, 25),
             "host_syncs": {k: {"count": n, "ms": round(t / 1e3, 3)}
                            for k, (n, t) in sorted(syncs.items(), key=lambda kv: -kv[1][1])[:15]}}

@@ -243,6 +243,10 @@ def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
                                              pytest.approx(0.02)}
     assert report["host_syncs"] == {"cudaStreamSynchronize in (no CPU op: Python between ops)": {"count": 1,
                                                                                                  "ms": 0.04}}
+    # the compute kernels alone (the HtoD copy left out): idle 100-390 and 400-700, the longest first
+    assert report["compute_gaps_ms"] == pytest.approx((290 + 300) / 1e3)
+    assert [(g["at_ms"], g["idle_us"], g["after"], g["before"]) for g in report["largest_compute_gaps"]] == [
+        (0.395, 300.0, "update", "gemm2"), (0.095, 290.0, "gemm", "update")]
 
 
 def test_busy_time_is_the_union_of_intervals_and_compute_leaves_the_copies_out():
