@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from run_file import RunFile, add_out_dir  # noqa: E402
+from trace_gaps import analyze, is_copy, load  # noqa: E402
 
 WARMUP = 3
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -281,8 +282,6 @@ def save_trace(prof, folder: Path, spec: dict) -> dict:
     import gzip
     import shutil
 
-    from trace_gaps import analyze, load
-
     folder.mkdir(parents=True, exist_ok=True)
     raw = folder / f"{spec['workload']}-{spec['name']}.json"
     prof.export_chrome_trace(str(raw))
@@ -300,8 +299,7 @@ def busy_share(prof, wall_s: float) -> dict:
     try:
         for e in prof.profiler.kineto_results.events():
             if "cuda" in str(e.device_type()).lower() and e.duration_ns() > 0:
-                copy = any(k in e.name().lower() for k in ("memcpy", "memset"))
-                intervals.append((e.start_ns(), e.start_ns() + e.duration_ns(), copy))
+                intervals.append((e.start_ns(), e.start_ns() + e.duration_ns(), is_copy(e.name())))
                 by_name[e.name()[:80]] = by_name.get(e.name()[:80], 0) + e.duration_ns()
     except Exception:  # noqa: BLE001 - older/newer profiler API
         from torch.autograd import DeviceType
@@ -335,9 +333,9 @@ def union_ns(intervals) -> float:
 def kernel_category(name: str) -> str:
     """Where a GPU kernel's time goes, by its name: matmul, attention, dequantize, copy, or other (elementwise,
     norms, dropout, the optimizer). Kernel time summed, so overlapping kernels (copies beside compute) both count."""
-    low = name.lower()
-    if "memcpy" in low or "memset" in low:
+    if is_copy(name):
         return "copy"
+    low = name.lower()
     if "dequant" in low:
         return "dequantize"
     if any(k in low for k in ("sdpa", "flash", "fmha", "attention")):

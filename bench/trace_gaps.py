@@ -64,12 +64,16 @@ class Stacks:
         return sorted(found, key=lambda e: -e["dur"])
 
 
+def is_copy(name: str) -> bool:
+    """A GPU activity that moves or fills memory (a copy or memset) rather than computing, by its name."""
+    low = name.lower()
+    return "memcpy" in low or "memset" in low
+
+
 def compute_gaps(gpu: list[dict], count: int = 12) -> tuple[float, list[dict]]:
     """(idle µs between compute kernels in all, the `count` longest idle stretches): kernels only, copies and memsets
     left out, each stretch with its start (ms from the first kernel) and the kernels that end and begin it."""
-    copy = ("memcpy", "memset")
-    kernels = sorted((e for e in gpu if e.get("cat") == "kernel" and not any(k in e["name"].lower() for k in copy)),
-                     key=lambda e: e["ts"])
+    kernels = sorted((e for e in gpu if e.get("cat") == "kernel" and not is_copy(e["name"])), key=lambda e: e["ts"])
     if not kernels:
         return 0.0, []
     first, stretches, end, last = kernels[0]["ts"], [], None, None
