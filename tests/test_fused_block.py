@@ -181,6 +181,27 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     _stock_forwards(model)
 
 
+def test_only_the_last_recomputed_layer_keeps_its_offloaded_checkpoint_on_the_card(tiny_cfg):
+    """fast.offload's `on_card`: with checkpoints in CPU RAM, the last layer that recomputes (its backward comes first)
+    keeps its checkpoint on the card, whether or not layers after it keep their activations; without offload, none."""
+    import functools
+
+    def on_card(layer) -> bool:
+        function = layer._gradient_checkpointing_func
+        inner = function.keywords.get("checkpoint", function) if isinstance(function, functools.partial) else None
+        return bool(isinstance(inner, functools.partial) and inner.keywords.get("on_card"))
+
+    model = _model(tiny_cfg)
+    layers = decoder_of(model).layers
+    for no_recompute in (0, 1):
+        for dead_tail in (True, False):
+            use_checkpoints(model, dead_tail=dead_tail, offload=True, no_recompute=no_recompute)
+            last = len(layers) - 1 - no_recompute
+            assert [on_card(layer) for layer in layers] == [index == last for index in range(len(layers))]
+    use_checkpoints(model, dead_tail=True, offload=False)
+    assert not any(on_card(layer) for layer in layers)
+
+
 def test_only_offloaded_eager_recomputes_keep_their_attention(tiny_cfg):
     """Lever saved_attention: fast.checkpoints switches it on for the recomputed layers whose checkpoints go to CPU
     RAM with the recompute's stash; the layers that keep their activations, checkpoints on the card, or no stash

@@ -73,8 +73,10 @@ def set_checkpoint_offload(model, offload: bool) -> None:
             continue
         recompute.mark(layer, tail, down_once)
         saved_attention.mark(layer, saved)
-        function = plain if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
-                                                            checkpoint=plain)
+        # the last checkpoint's backward comes first: offloaded, it stays on the card (fast.offload)
+        own = functools.partial(plain, on_card=True) if offload and index == first_kept - 1 else plain
+        function = own if not tail else functools.partial(recompute.tail_aware_checkpoint, layer=layer,
+                                                          checkpoint=own)
         compat.set_checkpoint_function(layer, graphed_function(layer, offload) if graphs else function)
 
 

@@ -2,6 +2,12 @@
 stream that overlaps the compute, and comes back, one layer ahead, in the backward. It frees layers x tokens x hidden
 x 2 bytes of device memory, so long rows and bigger micro-batches fit (auto-fit chooses it; offload_checkpoints asks
 for it by hand).
+
+The last checkpointed layer keeps its checkpoint on the card (`on_card`). Its backward comes first, right after the
+loss, so a copy out and back would only make the backward wait for it: at 8 x 2048 on TinyLlama an H100 sat idle
+2.5 ms for that layer's input and attention to come back, and the loss's first synchronize queued 1.2 ms behind its
+copy out (2026-12-06). Kept, it costs no more of the card than the copy did: the input being copied out stays on the
+card until the next layer's is packed, and the last layer has no next one.
 """
 
 from __future__ import annotations
@@ -44,6 +50,17 @@ _LAST_PACKED: list = [None]  # weak reference to the checkpoint packed last
 _SENT: list = []  # (device tensor, the event that ends its copy) sent by send_to_host, until the next pack or unpack
 _COMPANIONS: list = []  # what send_to_host sent since the last pack: the next checkpoint packed fetches it back
 _OFFLOADING: list = [0]  # offload_hooks' contexts open now
+_ON_CARD: list = [0]  # of them, those of a checkpoint kept on the card (on_card)
+
+
+class _OnCard:
+    """The checkpoint of the layer whose backward comes first, kept on the card. `below`: a weak reference to the
+    checkpoint packed before it, whose copy back starts when this one is unpacked."""
+
+    __slots__ = ("tensor", "below")
+
+    def __init__(self, tensor, below):
+        self.tensor, self.below = tensor, below
 
 
 def _copy_stream(device):
@@ -78,6 +95,10 @@ def send_to_host(tensor):
     The device tensor lives until its copy ends, as a layer input does. Returns the handle for brought_back()."""
     import torch
 
+    if _ON_CARD[0]:  # a checkpoint kept on the card keeps its companions there too: a handle that is fetched already
+        kept = _Offloaded(None, tensor, None)
+        kept.on_device = tensor
+        return kept
     host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
     stream = _copy_stream(tensor.device)
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -97,13 +118,69 @@ def brought_back(sent):
     import torch
 
     sent.fetch(_copy_stream(sent.device))
-    torch.cuda.current_stream(sent.device).wait_event(sent.ready)
+    if sent.ready is not None:  # None: kept on the card (on_card), never copied
+        torch.cuda.current_stream(sent.device).wait_event(sent.ready)
     tensor, sent.on_device, sent.host = sent.on_device, None, None
     return tensor
 
 
+def _pack(tensor, on_card: bool):
+    """offload_hooks' pack: a layer input copied out on the side stream (or kept, `on_card`); others as they are."""
+    import weakref
+
+    import torch
+
+    if tensor.device.type != "cuda" or tensor.numel() < 1 << 16:
+        return tensor  # small or host tensors: not worth a copy
+    if tensor.is_leaf and tensor.requires_grad:
+        return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
+    last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
+    below = weakref.ref(last) if last is not None else None
+    if on_card:
+        _release_in_flight(tensor.device)
+        return _OnCard(tensor, below)
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    _release_in_flight(tensor.device)
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    _IN_FLIGHT[tensor.device] = (tensor, done)
+    packed = _Offloaded(host, tensor, below)
+    packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
+    _LAST_PACKED[0] = weakref.ref(packed)
+    return packed
+
+
+def _fetch_below(below, device) -> None:
+    """Start copying back the checkpoint packed before this one (a weak reference, or None): the next layer's backward
+    needs it."""
+    packed = below() if below is not None else None
+    if packed is not None:
+        packed.fetch(_copy_stream(device))
+
+
+def _unpack(packed):
+    """offload_hooks' unpack: the tensor on the card, once its copy back has ended; the one below starts coming."""
+    import torch
+
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if isinstance(packed, _OnCard):
+        _fetch_below(packed.below, packed.tensor.device)
+        return packed.tensor
+    _release_in_flight(packed.device)
+    packed.fetch(_copy_stream(packed.device))
+    _fetch_below(packed.previous, packed.device)
+    torch.cuda.current_stream(packed.device).wait_event(packed.ready)
+    tensor, packed.on_device = packed.on_device, None
+    return tensor
+
+
 @contextmanager
-def offload_hooks():
+def offload_hooks(on_card: bool = False):
     """Saved-tensor hooks that move each checkpointed layer input to pinned host memory and bring it back in the
     backward. transformers' own `offload=True` (torch's save_on_cpu) copies synchronously, which stalls the host at
     every layer: on a host-bound step that is the whole gain.
@@ -113,56 +190,30 @@ def offload_hooks():
     an H200, 2026-12-01). The side stream waits for the compute
     that produced an input; the input stays alive until the next layer's input is packed, when the compute stream
     waits for its copy; and the backward, on reaching a layer, starts fetching the one below it. So one more layer
-    input sits on the card than without overlap (the planner counts it)."""
-    import weakref
+    input sits on the card than without overlap (the planner counts it).
+
+    `on_card`: the checkpoint made inside stays on the card (the last checkpointed layer's: see the module's note);
+    the input still being copied out is let go once its copy ends, and the backward, on reaching this checkpoint,
+    starts fetching the one below it."""
+    import functools
 
     import torch
 
-    def pack(tensor):
-        if tensor.device.type != "cuda" or tensor.numel() < 1 << 16:
-            return tensor  # small or host tensors: not worth a copy
-        if tensor.is_leaf and tensor.requires_grad:
-            return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
-        _release_in_flight(tensor.device)
-        stream = _copy_stream(tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        _IN_FLIGHT[tensor.device] = (tensor, done)
-        last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
-        packed = _Offloaded(host, tensor, weakref.ref(last) if last is not None else None)
-        packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
-        _LAST_PACKED[0] = weakref.ref(packed)
-        return packed
-
-    def unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        _release_in_flight(packed.device)
-        stream = _copy_stream(packed.device)
-        packed.fetch(stream)
-        below = packed.previous() if packed.previous is not None else None
-        if below is not None:
-            below.fetch(stream)  # the next layer's backward needs it: start its copy now
-        torch.cuda.current_stream(packed.device).wait_event(packed.ready)
-        tensor, packed.on_device = packed.on_device, None
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, on_card=on_card), _unpack):
         _OFFLOADING[0] += 1
+        _ON_CARD[0] += int(on_card)
         try:
             yield
         finally:
             _OFFLOADING[0] -= 1
+            _ON_CARD[0] -= int(on_card)
 
 
-def offloaded_checkpoint(function, *args, **kwargs):
-    """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM. Both variants save the
-    layer's inputs through the hooks; the recompute in the backward runs outside them, on the device."""
+def offloaded_checkpoint(function, *args, on_card: bool = False, **kwargs):
+    """torch's checkpoint, whose saved inputs (one hidden state per layer) live in CPU RAM, or with `on_card` (the
+    last checkpointed layer) stay on the card. Both variants save the layer's inputs through the hooks; the recompute
+    in the backward runs outside them, on the device."""
     from torch.utils.checkpoint import checkpoint
 
-    with offload_hooks():
+    with offload_hooks(on_card):
         return checkpoint(function, *args, **kwargs)

@@ -142,6 +142,18 @@ def saved_attention_bytes(shape: Shape, inp: PlanInput) -> float:
     return inp.tokens * shape.heads * (shape.head_dim * DTYPE_BYTES[inp.compute_dtype] + 4)
 
 
+def copied_layers(shape: Shape, inp: PlanInput) -> tuple[int, int]:
+    """(layer inputs, layer attentions) that checkpoints in CPU RAM copy out and back each micro-step: the recomputed
+    layers' but the first layer's input (the embedding output, a leaf autograd keeps on the card) and, on the eager
+    path, the last recomputed layer's, whose backward comes first (fast.offload keeps it on the card). Attentions
+    only where lever saved_attention runs."""
+    layers = recomputed_layers(shape, inp) if inp.offload else 0
+    if not layers:
+        return 0, 0
+    on_card = 0 if inp.graphs else 1
+    return max(0, layers - 1 - on_card), (layers - on_card if saved_attention_runs(shape, inp) else 0)
+
+
 def sliding_layers_masked(shape: Shape, inp: PlanInput) -> int:
     """Layers whose window is shorter than the sequence: they run with a mask (a window as long as the sequence
     changes nothing, and transformers skips the mask then)."""

@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from nb_helpers.plan.adapter import BNB_PAGE_MIN_ELEMENTS, adapter_param_bytes, optimizer_bytes
-from nb_helpers.plan.activations import GIB, peak_phases, residual_bytes, saved_attention_bytes
+from nb_helpers.plan.activations import GIB, copied_layers, peak_phases, residual_bytes, saved_attention_bytes
 from nb_helpers.plan.architecture import (ALL_LINEAR, QKVO, Shape, UnsupportedModel,  # noqa: F401
                                           absmax_kept_bytes, known_families, load_shape,
                                           nf4_bytes, plan_targets, recomputed_layers)
@@ -252,8 +252,9 @@ def plan_notes(shape: Shape, inp: PlanInput) -> list[str]:
         notes.append("float32 compute is not modelled in detail (activations assume 16-bit autocast)")
     notes += unmodelled_notes(shape)
     if inp.offload and recomputed_layers(shape, inp):
-        checkpoints = recomputed_layers(shape, inp) * (residual_bytes(inp) * shape.hidden * inp.tokens
-                                                       + saved_attention_bytes(shape, inp))
+        inputs, attentions = copied_layers(shape, inp)
+        checkpoints = inputs * residual_bytes(inp) * shape.hidden * inp.tokens + attentions * saved_attention_bytes(
+            shape, inp)
         notes.append(f"checkpoints offloaded: {checkpoints / GIB:.2f} GiB of pinned CPU RAM")
     return notes
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nb_helpers.plan.activations import fused_kernels_apply, saved_attention_bytes, saved_attention_runs
+from nb_helpers.plan.activations import (copied_layers, fused_kernels_apply, saved_attention_bytes,
+                                         saved_attention_runs)
 from nb_helpers.plan.architecture import Shape, plan_targets, recomputed_layers, recomputed_params
 
 # The measurement GPU's peaks (NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16, 4.8 TB/s; PCIe 5.0 x16 copies to
@@ -160,9 +161,9 @@ def offload_seconds(shape: Shape, inp, gpu: dict, busy_s: float) -> float:
     where the compute cannot hide them (H200, 2026-12-03: 0.220-0.223 s a step with them, 0.222 without)."""
     if not (inp.offload and recomputed_layers(shape, inp)):
         return 0.0
-    pcie, layers = gpu["pcie_gbs"] * 1e9, recomputed_layers(shape, inp)
-    inputs_s = 2 * layers * inp.batch * inp.seq * shape.hidden * 2 / pcie
-    copy_s = inputs_s + 2 * layers * saved_attention_bytes(shape, inp) / pcie
+    pcie, (inputs, attentions) = gpu["pcie_gbs"] * 1e9, copied_layers(shape, inp)
+    inputs_s = 2 * inputs * inp.batch * inp.seq * shape.hidden * 2 / pcie
+    copy_s = inputs_s + 2 * attentions * saved_attention_bytes(shape, inp) / pcie
     return max(OFFLOAD_EXPOSED * inputs_s, copy_s - busy_s)
 
 
