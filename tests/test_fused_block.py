@@ -102,7 +102,7 @@ def test_a_dead_recompute_runs_no_swiglu_and_no_last_add(tiny_cfg, monkeypatch):
 
 def test_without_gradients_the_last_add_runs_inside_down_s_gemm(tiny_cfg, monkeypatch):
     """Under no_grad (a checkpoint's first forward, evaluation) each layer's last residual add is the beta of down's
-    GEMM: no separate add, the stock layer's logits."""
+    GEMM, written over the residual (no copy of it first): no separate add, the stock layer's logits."""
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
     model = _model(tiny_cfg)
     model.eval()
@@ -112,8 +112,13 @@ def test_without_gradients_the_last_add_runs_inside_down_s_gemm(tiny_cfg, monkey
     fused_block.install(model, liger=False)
     with_residual = []
     real = fused_block._mlp
-    monkeypatch.setattr(fused_block, "_mlp", lambda *a, residual=None, **k: with_residual.append(
-        residual is not None) or real(*a, residual=residual, **k))
+
+    def mlp(*args, residual=None, **kwargs):
+        result = real(*args, residual=residual, **kwargs)
+        with_residual.append(residual is not None and result[0].data_ptr() == residual.data_ptr())
+        return result
+
+    monkeypatch.setattr(fused_block, "_mlp", mlp)
     with torch.no_grad():
         fused = model(input_ids=ids).logits
     assert with_residual == [True] * len(decoder_of(model).layers)
