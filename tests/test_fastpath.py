@@ -259,58 +259,40 @@ def test_offloaded_checkpoints_give_the_same_gradients_and_free_device_memory(ti
     assert plain_held - offloaded_held >= 0.9 * checkpoints, (plain_held, offloaded_held, checkpoints)
 
 
-def _six_blocks():
-    """Six small MLP blocks on the GPU and an input big enough (16 MiB) for the offload hooks to copy."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batches(reentrant):
+    """Six checkpointed blocks, two micro-batches (the chain of fetches crosses a forward): while one block's backward
+    runs, the block below is being fetched on the side stream. Gradients must equal the plain checkpoint's bitwise,
+    which they would not if a fetch were read before its copy finished or a freed input were reused too early. After
+    the forward the card holds the leaf input and the one input still in flight: 4 of 6 inputs less."""
     import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from nb_helpers.fast.offload import offloaded_checkpoint
 
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
               for _ in range(6)]
-    return blocks, torch.randn(8192, 512, device="cuda")
+    x0 = torch.randn(8192, 512, device="cuda")
 
+    def grads(offload: bool):
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        held = []
+        for micro in range(2):
+            h = (x0 * (micro + 1.0)).requires_grad_()  # a leaf, as the embedding output is: kept on the card
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            for block in blocks:
+                h = (offloaded_checkpoint(block, h, use_reentrant=reentrant) if offload
+                     else checkpoint(block, h, use_reentrant=reentrant))
+            loss = h.square().mean()
+            held.append(torch.cuda.memory_allocated() - before)
+            loss.backward()
+        return [p.grad.clone() for block in blocks for p in block.parameters()], held
 
-def _grads_over_two_micro_batches(blocks, x0, run_block, after_forward=lambda: None):
-    """The blocks' gradients after two micro-batches through `run_block(index, block, h)` (the chain of fetches
-    crosses a forward), and what each forward left allocated on the card."""
-    import torch
-
-    for block in blocks:
-        block.zero_grad(set_to_none=True)
-    held = []
-    for micro in range(2):
-        h = (x0 * (micro + 1.0)).requires_grad_()  # a leaf, as the embedding output is: kept on the card
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        for index, block in enumerate(blocks):
-            h = run_block(index, block, h)
-        after_forward()
-        loss = h.square().mean()
-        held.append(torch.cuda.memory_allocated() - before)
-        loss.backward()
-    return [p.grad.clone() for block in blocks for p in block.parameters()], held
-
-
-def _plain_checkpoint(reentrant: bool):
-    from torch.utils.checkpoint import checkpoint
-
-    return lambda index, block, h: checkpoint(block, h, use_reentrant=reentrant)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_overlapped_offload_fetches_each_layer_in_time_over_several_micro_batches(reentrant):
-    """Six checkpointed blocks, two micro-batches: while one block's backward runs, the block below is being fetched
-    on the side stream. Gradients must equal the plain checkpoint's bitwise, which they would not if a fetch were read
-    before its copy finished or a freed input were reused too early. After the forward the card holds the leaf input
-    and the one input still in flight: 4 of 6 inputs less."""
-    import torch
-
-    from nb_helpers.fast.offload import offloaded_checkpoint
-
-    blocks, x0 = _six_blocks()
-    plain, plain_held = _grads_over_two_micro_batches(blocks, x0, _plain_checkpoint(reentrant))
-    offloaded, offloaded_held = _grads_over_two_micro_batches(
-        blocks, x0, lambda index, block, h: offloaded_checkpoint(block, h, use_reentrant=reentrant))
+    (plain, plain_held), (offloaded, offloaded_held) = grads(False), grads(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, offloaded)) and any(g.abs().sum() > 0 for g in plain)
     for a, b in zip(plain_held, offloaded_held):
         assert a - b >= 0.99 * 4 * x0.numel() * 4, (plain_held, offloaded_held)
@@ -325,21 +307,36 @@ def test_the_last_offloaded_checkpoint_stays_on_the_card_and_fetches_the_one_bel
     holds the leaf input and the last block's: 4 of 6 inputs less, as with every block offloaded. With reentrant
     checkpoints (the fast path's) only blocks 1 to 4 go to CPU RAM."""
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     from nb_helpers.fast import offload
 
-    blocks, x0 = _six_blocks()
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
+              for _ in range(6)]
+    x0 = torch.randn(8192, 512, device="cuda")
     copied, made = [], offload._Offloaded.__init__
     monkeypatch.setattr(offload._Offloaded, "__init__",
                         lambda self, host, *rest: copied.append(host is not None) or made(self, host, *rest))
 
-    def nothing_in_flight():
-        assert not offload._IN_FLIGHT  # the last input copied out was let go once its copy ended
+    def grads(offloaded: bool):
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+        held = []
+        for micro in range(2):
+            h = (x0 * (micro + 1.0)).requires_grad_()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            for index, block in enumerate(blocks):
+                h = (offload.offloaded_checkpoint(block, h, on_card=index == len(blocks) - 1, use_reentrant=reentrant)
+                     if offloaded else checkpoint(block, h, use_reentrant=reentrant))
+            assert not offload._IN_FLIGHT  # the last input copied out was let go once its copy ended
+            loss = h.square().mean()
+            held.append(torch.cuda.memory_allocated() - before)
+            loss.backward()
+        return [p.grad.clone() for block in blocks for p in block.parameters()], held
 
-    plain, plain_held = _grads_over_two_micro_batches(blocks, x0, _plain_checkpoint(reentrant))
-    ours, ours_held = _grads_over_two_micro_batches(
-        blocks, x0, lambda index, block, h: offload.offloaded_checkpoint(
-            block, h, on_card=index == len(blocks) - 1, use_reentrant=reentrant), nothing_in_flight)
+    (plain, plain_held), (ours, ours_held) = grads(False), grads(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, ours)) and any(g.abs().sum() > 0 for g in plain)
     for a, b in zip(plain_held, ours_held):
         assert a - b >= 0.99 * 4 * x0.numel() * 4, (plain_held, ours_held)

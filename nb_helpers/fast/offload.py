@@ -86,22 +86,6 @@ def _release_in_flight(device) -> None:
     _SENT[:] = [sent for sent in _SENT if sent[0].device != device]
 
 
-def _copy_out(tensor):
-    """Start copying a device tensor into new pinned host memory on the side stream, once the compute queued so far
-    (which made it) is done. Returns (host copy, the event that ends the copy); the caller keeps the device tensor
-    alive until that event."""
-    import torch
-
-    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
-    stream = _copy_stream(tensor.device)
-    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return host, done
-
-
 def offloading() -> bool:
     """Whether a checkpoint offloaded to CPU RAM is being made now (inside offload_hooks)."""
     return _OFFLOADING[0] > 0
@@ -111,11 +95,19 @@ def send_to_host(tensor):
     """A tensor a checkpointed layer's forward keeps for its own recompute (fast.saved_attention), sent to pinned CPU
     RAM on the checkpoints' side stream; the checkpoint packed next (that layer's input) fetches it back with itself.
     The device tensor lives until its copy ends, as a layer input does. Returns the handle for brought_back()."""
+    import torch
+
     if _ON_CARD[0]:  # a checkpoint kept on the card keeps its companions there too: a handle that is fetched already
         kept = _Offloaded(None, tensor, None)
         kept.on_device = tensor
         return kept
-    host, done = _copy_out(tensor)
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
     _SENT.append((tensor, done))
     sent = _Offloaded(host, tensor, None)
     _COMPANIONS.append(sent)
@@ -138,16 +130,25 @@ def _pack(tensor, on_card: bool):
     """offload_hooks' pack: a layer input copied out on the side stream (or kept, `on_card`); others as they are."""
     import weakref
 
+    import torch
+
     if tensor.device.type != "cuda" or tensor.numel() < 1 << 16:
         return tensor  # small or host tensors: not worth a copy
     if tensor.is_leaf and tensor.requires_grad:
         return tensor  # the embedding output: autograd keeps this leaf anyway, a copy would free nothing
     last = _LAST_PACKED[0]() if _LAST_PACKED[0] is not None else None
     below = weakref.ref(last) if last is not None else None
-    _release_in_flight(tensor.device)
     if on_card:
+        _release_in_flight(tensor.device)
         return _OnCard(tensor, below)
-    host, done = _copy_out(tensor)
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    _release_in_flight(tensor.device)
+    stream = _copy_stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
     _IN_FLIGHT[tensor.device] = (tensor, done)
     packed = _Offloaded(host, tensor, below)
     packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
