@@ -118,7 +118,8 @@ def triton_call(weight, absmax, split: int, warps: int):
 
 
 def rows_kernel():
-    """A ceiling to compare with: the packed bytes as rows of one absmax block each, the absmax read once a row."""
+    """Our candidate (own-*): the packed bytes as rows of one quantization block each, ROWS rows a program, the absmax
+    read once a row; the same math as bitsandbytes (code[nibble] x absmax in fp32, rounded once, high nibble first)."""
     import triton
     import triton.language as tl
 
@@ -136,6 +137,9 @@ def rows_kernel():
     return kernel
 
 
+OWN: list = []  # rows_kernel's kernel, made once (Triton compiles it per launch setting)
+
+
 def own_call(weight, absmax, rows_a_program: int, warps: int):
     data, state = weight.data, weight.quant_state
     out = torch.empty(state.shape, dtype=torch.bfloat16, device="cuda")
@@ -148,9 +152,6 @@ def own_call(weight, absmax, rows_a_program: int, warps: int):
         kernel[grid](data, absmax, code, out, rows, rows_a_program, state.blocksize // 2, num_warps=warps)
         return out
     return call
-
-
-OWN: list = []
 
 
 def main() -> None:
