@@ -8,8 +8,9 @@ Each output is checked bitwise against the CUDA kernel's, and against the same m
 
     python bench/dequant_bench.py --out-dir $OUT     # on the device: a run file (bench/run_file.py); a table last
 
-gpu_us: the GPU time of one call (20 calls in one CUDA graph, median of 21 replays). host_us: the host's time to
-launch one call (300 calls queued without a sync, over a long kernel so the queue never fills).
+gpu_us: the GPU time of one call (20 calls in one CUDA graph, median of 21 replays; lora_kernel_sweep.gpu_us).
+host_us: the host's time to launch one call (300 calls queued without a sync, over a long kernel so the queue never
+fills).
 
 On an H100 (2026-12-06) a layer's seven weights took 58.2 us with bitsandbytes' CUDA kernel, 73.8-94.8 with its
 Triton kernel and 38.6-46.6 with ours, every output bitwise the CUDA kernel's. The candidate ran as a lever
@@ -28,37 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora_kernel_sweep import gpu_us  # noqa: E402 - the CUDA-graph timing the LoRA kernels' sweep uses
 from run_file import RunFile, add_out_dir  # noqa: E402
 
 SHAPES = {"q/o": (2048, 2048), "k/v": (256, 2048), "gate/up": (5632, 2048), "down": (2048, 5632)}
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
+REPEAT = 21  # graph replays timed per kernel and weight
 SETTINGS = [(256, 4), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)]  # (bytes a program, warps)
-
-
-def gpu_us(fn, repeat: int = 21, inner: int = 20) -> float:
-    """GPU time of one call: `inner` calls captured in one CUDA graph (no host in the way: a Triton launch takes
-    longer on the host than a small dequantize on the GPU), the median over `repeat` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / inner)
-    return sorted(times)[len(times) // 2]
 
 
 def agreement(got, expected, weight, absmax) -> dict:
@@ -166,16 +143,16 @@ def main() -> None:
     for name, shape in SHAPES.items():
         weight, absmax = quantized(shape)
         expected = fused_lora._dequantize(weight, direct=True).clone()
-        row = {"shape": list(shape), "cuda": {"gpu_us": gpu_us(lambda: fused_lora._dequantize(weight, True)),
-                                              "host_us": host_us(lambda: fused_lora._dequantize(weight, True))}}
+        direct = lambda: fused_lora._dequantize(weight, True)  # noqa: E731 - what the fast path runs
+        row = {"shape": list(shape), "cuda": {"gpu_us": gpu_us(direct, REPEAT), "host_us": host_us(direct)}}
         for split, warps in SETTINGS:
             call = triton_call(weight, absmax, split, warps)
-            row[f"triton-{split}x{warps}"] = {"gpu_us": gpu_us(call), "host_us": host_us(call),
+            row[f"triton-{split}x{warps}"] = {"gpu_us": gpu_us(call, REPEAT), "host_us": host_us(call),
                                               **agreement(call().clone(), expected, weight, absmax)}
         for rows_a_program, warps in ((32, 4), (64, 4), (128, 8), (256, 8)):
             OWN[:] = OWN or [rows_kernel()]
             call = own_call(weight, absmax, rows_a_program, warps)
-            row[f"own-{rows_a_program}x{warps}"] = {"gpu_us": gpu_us(call), "host_us": host_us(call),
+            row[f"own-{rows_a_program}x{warps}"] = {"gpu_us": gpu_us(call, REPEAT), "host_us": host_us(call),
                                                     **agreement(call().clone(), expected, weight, absmax)}
         rows[name] = row
         run.write({"weights": rows})
