@@ -2,10 +2,9 @@
 
 Every pass over the 4-bit base turns each NF4 weight back into a 16-bit one before its GEMM: 440 dequantizes a step
 on TinyLlama, about 2.5 bytes of memory traffic per weight (half a byte read, two written). bitsandbytes' kernel
-(`kDequantizeBlockwise`) runs blocks of 64 threads over 1,024 weights and reaches about half the card's bandwidth.
-This kernel does the same math over rows of whole quantization blocks, each program a tile of 32 blocks (2,048
-weights), so that its loads and stores are wide and its absmax is read once a block: on an H100 a TinyLlama layer's
-seven weights took 38.6 against 82.9 us (bench/dequant_bench.py, 2026-12-06).
+(`kDequantizeBlockwise`) runs blocks of 64 threads over tiles of 1,024 weights. This kernel does the same math over
+rows of whole quantization blocks, each program a tile of 32 blocks (2,048 weights), so that its loads and stores are
+wide and its absmax is read once a block. bench/dequant_bench.py times both on TinyLlama's weights.
 
 The math is bitsandbytes': weight = code[nibble] x absmax in fp32, rounded once to the output dtype, the high nibble
 of each byte first. So it gives the same bits as bitsandbytes' CUDA kernel (tests/test_nf4_kernel.py); the layout is
