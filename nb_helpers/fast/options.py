@@ -41,7 +41,7 @@ class FastOptions:
     absmax_once: bool = True  # double quantization's absmax decoded once per weight and kept in fp32, not at every
     #                           dequantize (fast.fused_lora.keep_decoded_absmax); CUDA, fused_lora, direct_dequant
     nf4_kernel: bool = True  # NF4 weights dequantized by our Triton kernel rather than bitsandbytes' CUDA kernel: the
-    #                          same bits in about half the GPU time (fast.nf4_kernel); CUDA, fused_lora, direct_dequant
+    #                          same bits in two thirds of its GPU time (fast.nf4_kernel); CUDA, fused_lora, direct_dequant
     fewer_recomputes: bool = True  # auto-fit leaves the last layers unrecomputed where the budget holds their
     #                                activations (RunConfig.no_recompute_layers; fast.checkpoints); CUDA, checkpointing
     down_once: bool = True  # a checkpointed layer's recompute reuses its forward's LoRA products dropout(x) A^T
@@ -155,8 +155,8 @@ LEVERS = {
                     "GPU busy 14.3 against 14.6 us/token at 8 x 2048 (62,591 against 59,990 tokens/s), 14.1 against "
                     "14.5 at 8 x 512, for 0.06 GiB"),
     "nf4_kernel": ("NF4 weights dequantized by a Triton kernel over whole quantization blocks: bitsandbytes' math and "
-                   "bits, wider loads and stores", "a TinyLlama layer's seven weights in 38.6 against 82.9 us on an "
-                   "H100 (2026-12-06)"),
+                   "bits, wider loads and stores", "a TinyLlama layer's seven weights in 38.6 against 58.2 us in "
+                   "bf16 on an H100 (2026-12-06)"),
     "fewer_recomputes": ("auto-fit leaves the last layers unrecomputed (no_recompute_layers) where the budget holds "
                          "their activations: no recompute in their backward",
                          "GPU busy 13.6 against 13.8 us/token at 8 x 2048 (2 layers; 63,249 against 63,039 tokens/s), "

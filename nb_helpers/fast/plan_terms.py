@@ -10,8 +10,8 @@ from nb_helpers.plan.architecture import keeps_decoded_absmax
 from nb_helpers.plan.engine import EngineView, register
 
 # Lever nf4_kernel: fast.nf4_kernel's GPU time against bitsandbytes' kernel for a TinyLlama layer's seven weights,
-# 38.6 against 82.9 us on an H100 (bench/dequant_bench.py, 2026-12-06)
-NF4_KERNEL_TIME_SHARE = 0.47
+# 38.6 against 58.2 us in bf16 on an H100 (bench/dequant_bench.py, 2026-12-06)
+NF4_KERNEL_TIME_SHARE = 0.66
 
 
 def fused_kernels_on(gpu_capability: tuple[int, int] | None, gpu_extras: bool | None = None) -> bool:
