@@ -42,6 +42,16 @@ def _inputs(device, dtype, tokens, features, rank, outputs=96, seed=0):
             rand(tokens, rank))
 
 
+def _assert_same_bits(got, want, device):
+    """Two launches of the same rank-r dots: on CUDA the same bits, the kernels' claim. In Triton's interpreter a tl.dot
+    is NumPy's float32 matmul, whose sums run in an order OpenBLAS picks by CPU (its kernel is chosen at run time) and
+    by the tile's shape, so there (an AVX2 CPU: 14 of 309,000 outputs) one launch may round one fp16 step apart."""
+    if device == "cuda":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens,features,rank,outputs", [(200, 128, 8, 96), (1030, 256, 16, 300), (64, 2048, 64, 256)])
 def test_each_kernel_is_the_dropout_math_with_its_own_mask(device, dtype, tokens, features, rank, outputs):
@@ -57,7 +67,7 @@ def test_each_kernel_is_the_dropout_math_with_its_own_mask(device, dtype, tokens
     torch.testing.assert_close(down.double(), dropped @ a.double().t(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.double(), s * down.double() @ b.double().t(), rtol=2e-2, atol=2e-2)
     assert lora_dropout.dropped_down(x, a, b, seed, p, s, write_out=False)[1] is None
-    assert torch.equal(lora_dropout.out_from_down(down, b, s), out)  # a recompute reusing `down`: the same bits
+    _assert_same_bits(lora_dropout.out_from_down(down, b, s), out, device)  # a recompute reusing `down`
     grad_a, grad_x = lora_dropout.grads(gd, x, a, seed, p)
     torch.testing.assert_close(grad_a.double(), gd.double().t() @ dropped, rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(grad_x.double(), (gd.double() @ a.double()) * keep * lora_dropout.keep_scale(p),
@@ -76,12 +86,13 @@ def test_launch_settings_change_the_time_not_the_bits(device, dtype):
     shipped = lora_dropout.tiles("forward", 1030, 256)
     fused = lora_dropout.dropped_down(x, a, b, seed, p, s, settings={**shipped, "split": False})
     split = lora_dropout.dropped_down(x, a, b, seed, p, s, settings={**shipped, "split": True})
-    assert torch.equal(fused[0], split[0]) and torch.equal(fused[1], split[1])
+    assert torch.equal(fused[0], split[0])
+    _assert_same_bits(fused[1], split[1], device)
     grad_a, grad_x = lora_dropout.grads(gd, x, a, seed, p)
     for rows, per_sm in ((16, 8), (32, 2)):
         other = dict(BT=rows, BK=64, num_warps=4, num_stages=2, per_sm=per_sm)
         other_a, other_x = lora_dropout.grads(gd, x, a, seed, p, settings=other)
-        assert torch.equal(other_x, grad_x)
+        _assert_same_bits(other_x, grad_x, device)
         torch.testing.assert_close(other_a, grad_a, rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError):  # the check can fail: another seed draws another mask
         torch.testing.assert_close(lora_dropout.grads(gd, x, a, seed + 1, p)[1], grad_x)
