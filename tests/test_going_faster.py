@@ -13,7 +13,7 @@ import pytest
 from nb_helpers.config import PROJECT_ROOT, RunConfig
 
 NOTEBOOK = PROJECT_ROOT / "notebooks" / "06_going_faster.ipynb"
-TOY_TAG = re.compile(r"\A# lever: ([a-z_]+)\n")  # the first line of a lever's toy cell
+TOY_TAG = re.compile(r"\A# lever: ([a-z0-9_]+)\n")  # the first line of a lever's toy cell
 
 
 def cells():

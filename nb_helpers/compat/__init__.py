@@ -22,8 +22,8 @@ from importlib import metadata
 from typing import Callable
 
 from nb_helpers.compat.probes import (ADAM_8BIT, ADAM_32BIT, BNB_OPS, DEQUANT_4BIT, QUANTS,  # noqa: F401
-                                     _at, _c_binding, _in_source, _kernels, _optimizer, _peft_keys, _quant_state,
-                                     _resolve, _source)
+                                     _at, _c_binding, _in_source, _kernels, _nf4_layout, _optimizer, _peft_keys,
+                                     _quant_state, _resolve, _source)
 
 COURSE = "course"
 OPTIONAL, DISTRIBUTIONS = {"liger_kernel"}, {"liger_kernel": "liger-kernel"}  # a GPU extra: absent, its lever is off
@@ -140,6 +140,8 @@ CHECKS: tuple[Check, ...] = (
                _resolve(f"{OPT}.Optimizer2State")).parameters["min_8bit_size"].default == 4096 else "not 4096"),
     _check("bitsandbytes.functional.QuantState: absmax, code, offset, state2, nested, blocks of 64 and 256",
            "fused_lora direct_dequant course", _quant_state),
+    _check("bitsandbytes.functional.dequantize_4bit: NF4 as code[nibble] x absmax, the high nibble first",
+           "nf4_kernel", _nf4_layout),
     _check(f"{L4}.forward(x), Params4bit.quant_state, QuantState.packing_format_for_cpu", "fused_lora",
            _at("bitsandbytes.nn.Params4bit.__new__", says=("self.quant_state = quant_state",)),
            _at("bitsandbytes.functional._convert_weight_packed_for_cpu",

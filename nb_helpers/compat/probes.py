@@ -134,6 +134,22 @@ def _quant_state() -> str | None:
     return None if (s.blocksize, s.state2.blocksize) == (64, 256) else "blocks are not (64, 256) as the planner counts"
 
 
+def _nf4_layout() -> str | None:
+    """What fast.nf4_kernel computes: bitsandbytes' NF4 weight is code[nibble] x absmax (fp32, rounded once), two
+    weights a byte with the high nibble first, blocks of 64 in row-major order. Checked on bitsandbytes' CPU kernels,
+    whose bits its CUDA kernel gives too (tests/test_nf4_kernel.py)."""
+    import torch
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+    weight = torch.linspace(-1, 1, 4 * 64).view(4, 64).pow(3).to(torch.bfloat16)
+    packed, state = quantize_4bit(weight, quant_type="nf4", compress_statistics=False)
+    byte = packed.view(-1)
+    nibbles = torch.stack([byte >> 4, byte & 15], dim=1).view(-1).long()
+    by_hand = (state.code[nibbles].view(-1, 64) * state.absmax.view(-1, 1)).view(state.shape).to(torch.bfloat16)
+    if state.code.numel() != 16 or state.code.dtype != torch.float32:
+        return f"the NF4 code table is {state.code.numel()} {state.code.dtype} values, not 16 fp32"
+    return None if torch.equal(dequantize_4bit(packed, state), by_hand) else "NF4 is no longer code[nibble] x absmax"
+
+
 def _optimizer() -> str | None:
     """What optimizer_step reads on bitsandbytes' AdamW (a real one), and the state keys its init_state makes."""
     import torch

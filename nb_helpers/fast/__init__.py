@@ -84,6 +84,11 @@ def after_lora(model, fast: FastOptions, cfg) -> None:
 
             record(model, "absmax_once", state.ran.get("fused_lora", False) and fast.direct_dequant
                    and keep_decoded_absmax(model, budget_of(cfg)) > 0)
+        if fast.nf4_kernel:
+            from nb_helpers.fast.fused_lora import use_nf4_kernel
+
+            record(model, "nf4_kernel", state.ran.get("fused_lora", False) and fast.direct_dequant
+                   and use_nf4_kernel(model) > 0)
     if fast.fused_block and state.ran.get("fused_lora"):
         from nb_helpers.fast.fused_block import apply_fused_block
 
@@ -192,8 +197,8 @@ def levers_ran(model, cfg, expandable: bool | None = None) -> dict[str, bool]:
                                   and ran["offload"] and not ran["graphs"] and ran["down_once"])
     if not ran.get("fused_lora"):
         # the fused layers are what call these kernels
-        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "down_once",
-                      "frozen_norms", "saved_attention"):
+        for lever in ("direct_dequant", "dead_tail", "fused_block", "dropout_kernels", "absmax_once", "nf4_kernel",
+                      "down_once", "frozen_norms", "saved_attention"):
             ran[lever] = False
     if expandable is not None:
         ran["expandable"] = bool(expandable)

@@ -29,7 +29,7 @@ import types
 import torch
 
 from nb_helpers.fast import lora_dropout, recompute
-from nb_helpers.fast.options import DECODED_ABSMAX
+from nb_helpers.fast.options import DECODED_ABSMAX, NF4_KERNEL
 from nb_helpers.frontend import say_once
 
 
@@ -52,6 +52,8 @@ def _dequantize(weight, direct: bool = False):
         if absmax is None or absmax.device != data.device:  # none kept, or the weight moved since
             absmax = _decoded_absmax(state, absmax_kernel, stream)
     out = torch.empty(state.shape, dtype=state.dtype, device=data.device)
+    if (ours := getattr(state, NF4_KERNEL, None)) is not None:  # lever nf4_kernel (use_nf4_kernel): the same bits
+        return ours(data, absmax, state.code, out, state.blocksize)
     weight_kernels[state.dtype, state.quant_type](None, data.data_ptr(), absmax.data_ptr(), out.data_ptr(),
                                                   state.blocksize, out.numel(), stream)
     return out
@@ -90,10 +92,40 @@ def keep_decoded_absmax(model, budget_gib: float | None = None) -> int:
     return len(states)
 
 
-def _double_quantized_on_gpu(model) -> list:
+def use_nf4_kernel(model) -> int:
+    """Lever nf4_kernel: each 4-bit weight on the GPU that fast.nf4_kernel covers is dequantized by that Triton kernel
+    rather than bitsandbytes' CUDA kernel (same bits, about half the GPU time). Needs the direct path (the kernel reads
+    the fp32 absmax it decodes or keeps). Returns how many weights use it; 0, said once, without Triton or where
+    nb_helpers.compat finds bitsandbytes' NF4 layout changed."""
+    from nb_helpers import compat
+
+    if _direct_kernels() is None:
+        return 0
+    if why := compat.failed(["nf4_kernel"]):
+        say_once("nf4-kernel", compat.fallback_note("nf4_kernel", why["nf4_kernel"]))
+        return 0
+    try:
+        from nb_helpers.fast import nf4_kernel
+    except Exception as e:  # noqa: BLE001 - Triton missing or broken: bitsandbytes' kernel dequantizes
+        say_once("nf4-kernel", f"[fast] nf4_kernel off: Triton is not importable ({type(e).__name__}); "
+                               "bitsandbytes' own kernel dequantizes (the same bits)")
+        return 0
+    states = [(m.weight.quant_state, m.weight.data) for m in _linear4bit(model)
+              if getattr(m.weight, "quant_state", None) is not None and m.weight.data.is_cuda]
+    taken = [state for state, data in states if nf4_kernel.takes(state, data)]
+    for state in taken:
+        setattr(state, NF4_KERNEL, nf4_kernel.dequantize_into)
+    return len(taken)
+
+
+def _linear4bit(model) -> list:
     import bitsandbytes as bnb
 
-    states = [getattr(m.weight, "quant_state", None) for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def _double_quantized_on_gpu(model) -> list:
+    states = [getattr(m.weight, "quant_state", None) for m in _linear4bit(model)]
     return [state for state in states if state is not None and state.nested and state.absmax.is_cuda]
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 # checkpoints on the card and recomputed in full.
 PLAIN_TERMS = dict(lean=True, fused_kernels=False, nomask=False, expandable=False, offload=False, graphs=False,
                    dead_tail=False, dropout_kernels=False, absmax_once=False, down_once=False, no_recompute_layers=0,
-                   one_token_count=False, frozen_norms=False, saved_attention=False)
+                   one_token_count=False, frozen_norms=False, saved_attention=False, dequant_time_share=1.0)
 
 
 @dataclass(frozen=True)

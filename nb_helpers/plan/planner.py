@@ -110,6 +110,7 @@ class PlanInput:
     one_token_count: bool = False  # no Trainer token count after the backward (fast.host_step): time only
     frozen_norms: bool = False  # the norms' backward over the rows, no weight gradient (fast.frozen_norms): time only
     saved_attention: bool = False  # offloaded eager checkpoints keep attention in CPU RAM too (fast.saved_attention)
+    dequant_time_share: float = 1.0  # the NF4 dequantize's GPU time per byte against bitsandbytes' kernel: time only
 
     @property
     def tokens(self) -> int:

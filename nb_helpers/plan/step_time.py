@@ -125,7 +125,7 @@ def work_per_micro_step(shape: Shape, inp) -> dict[str, float]:
         "attention_flops": forward_attention * seq / 2 * full_layers * attention_passes,
         "window_attention_flops": forward_attention * seq * shape.sliding_layers * attention_passes,
         "attention_launches": layers * passes,
-        "dequant_bytes": 2.5 * weights_per_pass,
+        "dequant_bytes": 2.5 * weights_per_pass * getattr(inp, "dequant_time_share", 1.0),
         "dequant_launches": (1 if getattr(inp, "absmax_once", False) else 2) * gemms,  # absmax per call or kept
         "fused_norm_elements": norm_elements if fused else 0.0,
         "stock_norm_elements": 0.0 if fused else norm_elements,
