@@ -259,7 +259,9 @@ def lever_gains(runs: list[dict]) -> dict:
             if not ours:
                 continue
             steps = [r["median_step_s"] for r in ours]
-            step, noise = statistics.median(steps), max(steps) / min(steps) - 1  # our default's own spread here
+            # our default's own spread here; None where it ran once (a cut call): no bracket, so no step verdict
+            step = statistics.median(steps)
+            noise = round(max(steps) / min(steps) - 1, 4) if len(steps) > 1 else None
             compute = statistics.median((r.get("busy") or {}).get("compute_us_per_token") or 0 for r in ours)
             for name, r in found.items():
                 if not name.startswith("no-") or not r.get("median_step_s"):
@@ -267,7 +269,7 @@ def lever_gains(runs: list[dict]) -> dict:
                 off = (r.get("busy") or {}).get("compute_us_per_token")
                 levers.setdefault(name[3:].replace("-", "_"), {"workloads": {}})["workloads"][workload] = {
                     "step_s": round(step, 4), "step_s_without": round(r["median_step_s"], 4),
-                    "step_gain": round(r["median_step_s"] / step - 1, 4), "step_noise": round(noise, 4),
+                    "step_gain": round(r["median_step_s"] / step - 1, 4), "step_noise": noise,
                     "compute_us_per_token": round(compute, 2) if compute else None,
                     "compute_us_per_token_without": round(off, 2) if off else None,
                     "compute_gain": round(off / compute - 1, 4) if off and compute else None,
@@ -280,7 +282,8 @@ def lever_gains(runs: list[dict]) -> dict:
     for lever, entry in levers.items():
         entry["in_the_package"] = lever in present
         entry["earns_its_place"] = any(
-            (w["step_gain"] >= max(KEEP_SHARE, w["step_noise"])) or (w["compute_gain"] or 0) >= KEEP_SHARE
+            (w["step_noise"] is not None and w["step_gain"] >= max(KEEP_SHARE, w["step_noise"]))
+            or (w["compute_gain"] or 0) >= KEEP_SHARE
             for w in entry["workloads"].values())
         if lever in TAKES_ALONG:
             entry["note"] = TAKES_ALONG[lever]
@@ -639,7 +642,8 @@ def lever_gains_table(data: dict) -> list[str]:
                      "peak GiB: ours, without", "earns its place", "measured")]
     for lever, entry in lg["levers"].items():
         for workload, w in entry["workloads"].items():
-            gain = f"{w['step_gain']:+.1%}; ours varied {w['step_noise']:.1%}"
+            gain = f"{w['step_gain']:+.1%}; " + ("ours ran once" if w["step_noise"] is None
+                                                 else f"ours varied {w['step_noise']:.1%}")
             compute = (f"{n(w['compute_us_per_token'], 2)}, {n(w['compute_us_per_token_without'], 2)} "
                        f"({w['compute_gain']:+.1%})" if w["compute_gain"] is not None else "–")
             out.append(f"| `{lever}` | {WORKLOADS[workload]} | {n(w['step_s'], 4)}, {n(w['step_s_without'], 4)} "

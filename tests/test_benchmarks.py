@@ -289,6 +289,34 @@ def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(
     assert "3 of 4 points within ±10%" in text and "400, 3.00 (4.00×)" in text
 
 
+def test_a_lever_earns_its_place_by_a_bracketed_step_or_by_compute(tmp_path):
+    """bench/summarize.py's pruning verdict: a step gain counts only beyond our default's own spread between the runs
+    that bracket it (so not where our default ran once, a cut call); a compute gain of 3% counts on its own."""
+    import summarize
+
+    def run(name, step, compute):
+        return {"recipe": "ours", "median_step_s": step, "tokens_per_s": 1.0, "peak_device_gib": 3.0,
+                "busy": {"compute_us_per_token": compute}}
+
+    def write(name, runs):
+        (tmp_path / name).write_text(json.dumps({
+            "format": 1, "kind": "lever-gains", "date": name[:10], "command": "python bench/throughput.py --gains x",
+            "commit": "x", "machine": {"gpu": "G"},
+            "results": {"workloads": {"w512": {"seq": 512, "effective_batch": 8, "runs": runs}}}}))
+
+    write("2026-12-01-lever-gains-a.json", {  # bracketed: ours 1.00 and 1.01 (1% spread)
+        "ours": run("ours", 1.00, 10.0), "no-stepper": run("", 1.05, 10.0), "no-idle": run("", 1.005, 10.1),
+        "no-computer": run("", 0.95, 10.4), "ours-again": run("ours", 1.01, 10.0)})
+    write("2026-12-02-lever-gains-b.json", {  # cut: ours ran once, so its 5% step gain has no bracket
+        "ours": run("ours", 1.00, 10.0), "no-lonely": run("", 1.05, 10.1)})
+    levers = summarize.latest(tmp_path)["lever_gains"]["levers"]
+    verdict = {name: entry["earns_its_place"] for name, entry in levers.items()}
+    assert verdict == {"stepper": True, "idle": False, "computer": True, "lonely": False}
+    assert levers["lonely"]["workloads"]["w512"]["step_noise"] is None
+    assert levers["stepper"]["workloads"]["w512"]["step_noise"] == 0.01
+    assert "ours ran once" in summarize.markdown(summarize.latest(tmp_path))
+
+
 def test_levers_takes_every_lever_out_once_where_it_runs_and_each_run_parses():
     """--levers is built from fast.options.LEVERS (taking each out as --gains does): a lever added to the registry is
     measured without editing the script, and every run's NB_FASTPATH is one the package accepts (a typo would fail on

@@ -155,8 +155,8 @@ LEVERS = {
                     "GPU busy 14.3 against 14.6 us/token at 8 x 2048 (62,591 against 59,990 tokens/s), 14.1 against "
                     "14.5 at 8 x 512, for 0.06 GiB"),
     "nf4_kernel": ("NF4 weights dequantized by a Triton kernel over whole quantization blocks: bitsandbytes' math and "
-                   "bits, wider loads and stores", "a TinyLlama layer's seven weights in 38.6 against 58.2 us in "
-                   "bf16 on an H100 (2026-12-06)"),
+                   "bits, wider loads and stores", "GPU busy 17.2 against 18.0 us/token on the shipped data (an H100, "
+                   "2026-12-07); a TinyLlama layer's seven weights in 38.6 against 58.2 us in bf16"),
     "fewer_recomputes": ("auto-fit leaves the last layers unrecomputed (no_recompute_layers) where the budget holds "
                          "their activations: no recompute in their backward",
                          "GPU busy 13.6 against 13.8 us/token at 8 x 2048 (2 layers; 63,249 against 63,039 tokens/s), "
