@@ -294,7 +294,7 @@ def test_a_lever_earns_its_place_by_a_bracketed_step_or_by_compute(tmp_path):
     that bracket it (so not where our default ran once, a cut call); a compute gain of 3% counts on its own."""
     import summarize
 
-    def run(name, step, compute):
+    def run(step, compute):
         return {"recipe": "ours", "median_step_s": step, "tokens_per_s": 1.0, "peak_device_gib": 3.0,
                 "busy": {"compute_us_per_token": compute}}
 
@@ -305,10 +305,10 @@ def test_a_lever_earns_its_place_by_a_bracketed_step_or_by_compute(tmp_path):
             "results": {"workloads": {"w512": {"seq": 512, "effective_batch": 8, "runs": runs}}}}))
 
     write("2026-12-01-lever-gains-a.json", {  # bracketed: ours 1.00 and 1.01 (1% spread)
-        "ours": run("ours", 1.00, 10.0), "no-stepper": run("", 1.05, 10.0), "no-idle": run("", 1.005, 10.1),
-        "no-computer": run("", 0.95, 10.4), "ours-again": run("ours", 1.01, 10.0)})
+        "ours": run(1.00, 10.0), "no-stepper": run(1.05, 10.0), "no-idle": run(1.005, 10.1),
+        "no-computer": run(0.95, 10.4), "ours-again": run(1.01, 10.0)})
     write("2026-12-02-lever-gains-b.json", {  # cut: ours ran once, so its 5% step gain has no bracket
-        "ours": run("ours", 1.00, 10.0), "no-lonely": run("", 1.05, 10.1)})
+        "ours": run(1.00, 10.0), "no-lonely": run(1.05, 10.1)})
     levers = summarize.latest(tmp_path)["lever_gains"]["levers"]
     verdict = {name: entry["earns_its_place"] for name, entry in levers.items()}
     assert verdict == {"stepper": True, "idle": False, "computer": True, "lonely": False}
