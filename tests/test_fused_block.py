@@ -136,28 +136,31 @@ def test_lora_on_the_mlp_keeps_its_layers_and_the_same_gradients(tiny_cfg):
 
 
 def test_the_lever_installs_only_with_the_fused_layers(tiny_cfg, monkeypatch):
-    """after_lora installs the blocks, and keeps the decoded absmax (lever absmax_once), only where the fused 4-bit
-    layers ran, and records both."""
+    """after_lora installs the blocks, keeps the decoded absmax (lever absmax_once) and hands the dequantize to the
+    Triton kernel (lever nf4_kernel) only where the fused 4-bit layers ran, and records each."""
     from types import SimpleNamespace
 
     import nb_helpers.fast as fast
 
-    calls, kept = [], []
+    calls, kept, taken = [], [], []
     monkeypatch.setattr(fused_block, "apply_fused_block", lambda model, liger, frozen, saved: calls.append(
         (liger, frozen)) or {"layers": 2, "frozen_norms": 2 * frozen, "saved_attention": 2 * saved})
     monkeypatch.setattr("nb_helpers.fast.fused_lora.keep_decoded_absmax",
                         lambda model, budget: kept.append((model, budget)) or 154)
+    # use_nf4_kernel reads real 4-bit layers where CUDA is visible: the stand-in model has none
+    monkeypatch.setattr("nb_helpers.fast.fused_lora.use_nf4_kernel", lambda model: taken.append(model) or 154)
     model = SimpleNamespace(_nb_fast_path=FastPath(FastOptions(), ran={"kernels": True, "fused_lora": False}))
     cfg = SimpleNamespace(graphs_wanted=None, fast_path=False, offload_checkpoints=False, budget_gib=4.0,
                           gradient_checkpointing=True, no_recompute_layers=0)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=False, fused_block=True), cfg)
-    assert calls == [] and kept == []
+    assert calls == [] and kept == [] and taken == []
     monkeypatch.setattr("nb_helpers.fast.fused_lora.apply_fused_lora", lambda *a, **k: True)
     fast.after_lora(model, FastOptions(nomask=False, fused_lora=True, fused_block=True, frozen_norms=False), cfg)
     ran = model._nb_fast_path.ran
     assert calls == [(True, False)] and ran["fused_block"] is True
     assert ran["frozen_norms"] is False
     assert kept == [(model, 4.0)] and ran["absmax_once"] is True
+    assert taken == [model] and ran["nf4_kernel"] is True
 
 
 @pytest.mark.gpu
