@@ -102,16 +102,24 @@ def send_to_host(tensor):
         kept.on_device = tensor
         return kept
     host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+    _SENT.append((tensor, _copy_out(tensor, host)))
+    sent = _Offloaded(host, tensor, None)
+    _COMPANIONS.append(sent)
+    return sent
+
+
+def _copy_out(tensor, host):
+    """Start copying `tensor` into pinned `host` on the checkpoints' side stream, once the compute stream has made
+    it; returns the event the copy ends on (the device tensor must live until then)."""
+    import torch
+
     stream = _copy_stream(tensor.device)
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         host.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-    _SENT.append((tensor, done))
-    sent = _Offloaded(host, tensor, None)
-    _COMPANIONS.append(sent)
-    return sent
+    return done
 
 
 def brought_back(sent):
@@ -143,13 +151,7 @@ def _pack(tensor, on_card: bool):
         return _OnCard(tensor, below)
     host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
     _release_in_flight(tensor.device)
-    stream = _copy_stream(tensor.device)
-    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    _IN_FLIGHT[tensor.device] = (tensor, done)
+    _IN_FLIGHT[tensor.device] = (tensor, _copy_out(tensor, host))
     packed = _Offloaded(host, tensor, below)
     packed.companions, _COMPANIONS[:] = tuple(_COMPANIONS), []
     _LAST_PACKED[0] = weakref.ref(packed)
