@@ -169,7 +169,8 @@ def course(runs: list[dict]) -> list[dict]:
         r = run["results"]
         env = run.get("environment") or {}
         rows.append({**source(run), "as_avx2": env.get("ATEN_CPU_CAPABILITY") == "avx2",
-                     **{k: r.get(k) for k in ("setup_s", "run_s", "run_exit", "test_s", "test_exit", "notebooks_s")},
+                     **{k: r.get(k) for k in ("setup_s", "setup_exit", "run_s", "run_exit", "test_s",
+                                                   "test_exit", "notebooks_s")},
                      "sft": (r.get("runs") or {}).get("sft"), "dpo": (r.get("runs") or {}).get("dpo")})
     return rows
 
@@ -600,10 +601,13 @@ def course_table(data: dict) -> list[str]:
     for c in data["course"]:
         per = ", ".join(f"{name[:2]}: {sec}" for name, sec in (c["notebooks_s"] or {}).items())
         sft, dpo = c["sft"] or {}, c["dpo"] or {}
+        # a step that never ran (make setup failed, or the run file of a course still running) shows "–"
+        setup = f"{n(c['setup_s'])} s" + ("" if c["setup_exit"] in (0, None) else f" (exit {c['setup_exit']})")
+        run = "–" if c["run_s"] is None else f"{c['run_s'] / 60:.1f} min" + (
+            "" if c["run_exit"] == 0 else " (failed)")
         test = "–" if c["test_s"] is None else f"{c['test_s'] / 60:.1f} min" + (
             "" if c["test_exit"] == 0 else f" (exit {c['test_exit']})")
-        out.append(f"| {c['machine']}{' as AVX2' if c['as_avx2'] else ''} | {n(c['setup_s'])} s | "
-                   f"{c['run_s'] / 60:.1f} min{'' if c['run_exit'] == 0 else ' (failed)'} | {per} | {test} | "
+        out.append(f"| {c['machine']}{' as AVX2' if c['as_avx2'] else ''} | {setup} | {run} | {per} | {test} | "
                    f"{n(sft.get('task_base'), 3)} → {n(sft.get('task_tuned'), 3)} | "
                    f"{n(dpo.get('pairs_reward_accuracy'), 3)}, {n(dpo.get('task_base'), 3)} → "
                    f"{n(dpo.get('task_tuned'), 3)} | {c['date']} {refs(c)} |")

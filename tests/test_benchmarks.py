@@ -289,6 +289,19 @@ def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(
     assert "3 of 4 points within ±10%" in text and "400, 3.00 (4.00×)" in text
 
 
+def test_a_course_run_that_stopped_before_make_run_is_summarized_not_fatal(tmp_path):
+    """bench/course_time.py writes its run file after each step: one whose make setup failed (or a course still
+    running) has no make run yet. The summary shows what ran and "–" for the rest instead of failing."""
+    import summarize
+
+    (tmp_path / "2026-12-01-course-a.json").write_text(json.dumps({
+        "format": 1, "kind": "course", "date": "2026-12-01", "command": "python bench/course_time.py --test",
+        "commit": "x", "machine": {"cpu": "C"}, "results": {"clone_of": "x", "setup_s": 12.0, "setup_exit": 2}}))
+    text = summarize.markdown(summarize.latest(tmp_path))
+    (row,) = [line for line in text.splitlines() if line.startswith("| C")]
+    assert "| 12 s (exit 2) | – |" in row and row.count("| – |") >= 2
+
+
 def test_a_lever_earns_its_place_by_a_bracketed_step_or_by_compute(tmp_path):
     """bench/summarize.py's pruning verdict: a step gain counts only beyond our default's own spread between the runs
     that bracket it (so not where our default ran once, a cut call); a compute gain of 3% counts on its own."""
