@@ -170,7 +170,7 @@ def course(runs: list[dict]) -> list[dict]:
         env = run.get("environment") or {}
         rows.append({**source(run), "as_avx2": env.get("ATEN_CPU_CAPABILITY") == "avx2",
                      **{k: r.get(k) for k in ("setup_s", "setup_exit", "run_s", "run_exit", "test_s",
-                                                   "test_exit", "notebooks_s")},
+                                              "test_exit", "notebooks_s")},
                      "sft": (r.get("runs") or {}).get("sft"), "dpo": (r.get("runs") or {}).get("dpo")})
     return rows
 
