@@ -585,6 +585,14 @@ def cpu_table(data: dict) -> list[str]:
     return out
 
 
+def _make_minutes(seconds, exit_code, failed: str) -> str:
+    """A timed make command's cell: "–" where it never ran (make setup failed, or the file of a course still running:
+    bench/course_time.py writes it after each step), else its minutes, and `failed` where it exited non-zero."""
+    if seconds is None:
+        return "–"
+    return f"{seconds / 60:.1f} min" + ("" if exit_code == 0 else failed)
+
+
 def course_table(data: dict) -> list[str]:
     """A fresh clone's make setup, make run and make test on a CPU."""
     if not data.get("course"):
@@ -601,12 +609,9 @@ def course_table(data: dict) -> list[str]:
     for c in data["course"]:
         per = ", ".join(f"{name[:2]}: {sec}" for name, sec in (c["notebooks_s"] or {}).items())
         sft, dpo = c["sft"] or {}, c["dpo"] or {}
-        # a step that never ran (make setup failed, or the run file of a course still running) shows "–"
         setup = f"{n(c['setup_s'])} s" + ("" if c["setup_exit"] in (0, None) else f" (exit {c['setup_exit']})")
-        run = "–" if c["run_s"] is None else f"{c['run_s'] / 60:.1f} min" + (
-            "" if c["run_exit"] == 0 else " (failed)")
-        test = "–" if c["test_s"] is None else f"{c['test_s'] / 60:.1f} min" + (
-            "" if c["test_exit"] == 0 else f" (exit {c['test_exit']})")
+        run = _make_minutes(c["run_s"], c["run_exit"], " (failed)")
+        test = _make_minutes(c["test_s"], c["test_exit"], f" (exit {c['test_exit']})")
         out.append(f"| {c['machine']}{' as AVX2' if c['as_avx2'] else ''} | {setup} | {run} | {per} | {test} | "
                    f"{n(sft.get('task_base'), 3)} → {n(sft.get('task_tuned'), 3)} | "
                    f"{n(dpo.get('pairs_reward_accuracy'), 3)}, {n(dpo.get('task_base'), 3)} → "
