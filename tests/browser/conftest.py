@@ -74,7 +74,11 @@ def lab(project, scratch):
 
 @pytest.fixture(scope="session")
 def page(scratch):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
+
+    # What the page shows after a move waits on the kernel, and on CI's 2 cores the other test worker trains beside
+    # it: expect() polls for 30 s instead of 5, a hang detector rather than a speed check
+    expect.set_options(timeout=30_000)
 
     profile = scratch / "chromium-profile"  # a fresh --user-data-dir
     with sync_playwright() as p:
