@@ -369,3 +369,27 @@ def test_the_options_plan_the_runs_they_name_in_order():
         ("w2048", "no-dead-tail"), ("w512", "ours-again"), ("w2048", "ours-again")]
     turing = planned_runs(arguments(["--workloads", "shipped,w512", "--gains", "graphs", "--turing"]))
     assert [r["name"] for r in turing if r.get("card")] == ["ours-bfloat16-gtx1650", "ours-float16-gtx1650"]
+
+
+def test_against_commit_reads_both_layouts_and_compares_medians():
+    """bench/against_commit.py: the earlier engine's throughput.json (workloads at the top) and this one's run file
+    (under results) read alike; the ratios are of the medians over rounds, and a failed run is left out."""
+    from against_commit import compare, ours_figures
+
+    def ours(tok_s, us, code=0):
+        return {"returncode": code, "tokens_per_s": tok_s, "median_step_s": 4096 / tok_s, "micro_batch": 8,
+                "peak_device_gib": 3.7, "busy": {"compute_us_per_token": us, "us_per_token": us + 0.1}}
+
+    earlier = {"workloads": {"w512": {"ours": ours(60_000, 13.0)}, "w2048": {"ours": ours(70_000, 12.0, code=1)}}}
+    now = {"results": {"workloads": {"w512": {"runs": {"ours": ours(66_000, 12.0)}},
+                                     "w2048": {"ours": ours(72_000, 11.0)}}}}
+    assert set(ours_figures(earlier)) == {"w512"}  # the failed 8 x 2048 run gives no figures
+    assert ours_figures(now)["w512"]["compute_us_per_token"] == 12.0
+    rounds = [{"earlier": ours_figures(earlier), "now": ours_figures(now)},
+              {"earlier": {"w512": {**ours_figures(earlier)["w512"], "tokens_per_s": 62_000}},
+               "now": {"w512": {**ours_figures(now)["w512"], "tokens_per_s": 64_000}}}]
+    summary = compare(rounds)
+    assert summary["w512"]["earlier"]["tokens_per_s"] == 61_000 and summary["w512"]["now"]["tokens_per_s"] == 65_000
+    assert summary["w512"]["now_over_earlier"]["tokens_per_s"] == pytest.approx(65 / 61)
+    assert summary["w512"]["now_over_earlier"]["compute_us_per_token"] == pytest.approx(12 / 13)
+    assert summary["w2048"]["earlier"]["rounds"] == 0 and summary["w2048"]["now_over_earlier"]["tokens_per_s"] is None
