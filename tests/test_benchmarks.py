@@ -385,11 +385,11 @@ def test_against_commit_reads_both_layouts_and_compares_medians():
                                      "w2048": {"ours": ours(72_000, 11.0)}}}}
     assert set(ours_figures(earlier)) == {"w512"}  # the failed 8 x 2048 run gives no figures
     assert ours_figures(now)["w512"]["compute_us_per_token"] == 12.0
-    rounds = [{"earlier": ours_figures(earlier), "now": ours_figures(now)},
-              {"earlier": {"w512": {**ours_figures(earlier)["w512"], "tokens_per_s": 62_000}},
+    rounds = [{"baseline": ours_figures(earlier), "now": ours_figures(now)},
+              {"baseline": {"w512": {**ours_figures(earlier)["w512"], "tokens_per_s": 62_000}},
                "now": {"w512": {**ours_figures(now)["w512"], "tokens_per_s": 64_000}}}]
     summary = compare(rounds)
-    assert summary["w512"]["earlier"]["tokens_per_s"] == 61_000 and summary["w512"]["now"]["tokens_per_s"] == 65_000
-    assert summary["w512"]["now_over_earlier"]["tokens_per_s"] == pytest.approx(65 / 61)
-    assert summary["w512"]["now_over_earlier"]["compute_us_per_token"] == pytest.approx(12 / 13)
-    assert summary["w2048"]["earlier"]["rounds"] == 0 and summary["w2048"]["now_over_earlier"]["tokens_per_s"] is None
+    assert summary["w512"]["baseline"]["tokens_per_s"] == 61_000 and summary["w512"]["now"]["tokens_per_s"] == 65_000
+    assert summary["w512"]["now_over_baseline"]["tokens_per_s"] == pytest.approx(65 / 61)
+    assert summary["w512"]["now_over_baseline"]["compute_us_per_token"] == pytest.approx(12 / 13)
+    assert summary["w2048"]["baseline"]["rounds"] == 0 and summary["w2048"]["now_over_baseline"]["tokens_per_s"] is None
