@@ -6,21 +6,24 @@ tree's own bench/throughput.py and then this tree's, both `--only ours` (our def
 lever that commit ships) at the same workloads and steps, each in fresh processes on the same random-weight model
 and data. The run file keeps every round's figures and, per workload, the median of each engine and their ratio.
 
-    git archive 22d453c nb_helpers bench data pyproject.toml | tar -x -C /tmp/baseline     # where the history is
-    python bench/against_commit.py --tree /tmp/baseline --baseline-commit 22d453c --out-dir $OUT   # on the GPU
+    python bench/against_commit.py --extract 22d453c                 # here, where the history is: bench/baseline/
+    python bench/against_commit.py --out-dir $OUT                    # on the GPU (carry bench/baseline)
 
-Both scripts measure the same way (bench/throughput.py: median step after warm-up, non-padding tokens, and the
-GPU compute of one profiled step per token), so their figures compare directly.
+--extract writes the baseline's package, bench scripts and data to bench/baseline/ (git-ignored), with
+BASELINE.json naming its commit and date. Both scripts measure the same way (bench/throughput.py: median step after
+warm-up, non-padding tokens, and the GPU compute of one profiled step per token), so their figures compare directly.
 """
-
 from __future__ import annotations
 
 import argparse
 import json
+import io
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +32,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_file import RunFile, add_out_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+BASELINE_TREE = ROOT / "bench" / "baseline"
+BASELINE_PATHS = ("nb_helpers", "bench", "data", "pyproject.toml")  # what its throughput.py runs on
+
+
+def extract(commit: str, tree: Path) -> dict:
+    """The baseline commit's files into `tree` (its bench/results left out: history, not code), and BASELINE.json."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *BASELINE_PATHS], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--extract {commit}: git archive failed ({archive.stderr.decode().strip()}); "
+                         "give a commit of this repository's history")
+    shutil.rmtree(tree, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    shutil.rmtree(tree / "bench" / "results", ignore_errors=True)
+    shown = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cs", commit], capture_output=True,
+                           text=True, check=True).stdout.split()
+    baseline = {"commit": shown[0], "date": shown[1]}
+    (tree / "BASELINE.json").write_text(json.dumps(baseline) + "\n")
+    return baseline
+
+
+def read_baseline(tree: Path) -> dict:
+    try:
+        return json.loads((tree / "BASELINE.json").read_text())
+    except (OSError, ValueError):
+        raise SystemExit(f"{tree}: no baseline there; extract one first where the git history is: "
+                         f"python bench/against_commit.py --extract COMMIT") from None
 
 
 def ours_figures(data: dict) -> dict:
@@ -79,8 +109,8 @@ def run_engine(tree: Path, commit: str | None, args, out_json: Path) -> dict:
 
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", required=True, help="the baseline commit's files (nb_helpers, bench, data)")
-    parser.add_argument("--baseline-commit", required=True, help="which commit --tree holds, for the run file")
+    parser.add_argument("--extract", metavar="COMMIT", help="write COMMIT's files to --tree, then stop")
+    parser.add_argument("--tree", default=str(BASELINE_TREE), help="the baseline's files (default bench/baseline)")
     parser.add_argument("--workloads", default="w2048,w512")
     parser.add_argument("--rounds", type=int, default=2, help="baseline then now, this many times")
     parser.add_argument("--steps", type=int, default=16)
@@ -95,9 +125,9 @@ def shown(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(summary: dict, baseline_commit: str) -> None:
+def print_table(summary: dict, baseline: dict) -> None:
     print(f"\n{'workload':10} {'tok/s baseline':>14} {'tok/s now':>10} {'now/baseline':>12} "
-          f"{'us/tok baseline':>15} {'us/tok now':>11} {'now/baseline':>12}   (baseline = {baseline_commit})")
+          f"{'us/tok baseline':>15} {'us/tok now':>11} {'now/baseline':>12}   (baseline: {baseline['date']})")
     for workload, row in summary.items():
         base, now, ratio = row["baseline"], row["now"], row["now_over_baseline"]
         print(f"{workload:10} {shown(base['tokens_per_s'], ',.0f'):>14} {shown(now['tokens_per_s'], ',.0f'):>10} "
@@ -108,26 +138,25 @@ def print_table(summary: dict, baseline_commit: str) -> None:
 def main(argv=None) -> None:
     args = arguments(argv)
     tree = Path(args.tree).resolve()
-    if not (tree / "bench" / "throughput.py").exists():
-        raise SystemExit(f"--tree {tree}: no bench/throughput.py there; extract the baseline commit with "
-                         f"`git archive COMMIT nb_helpers bench data pyproject.toml | tar -x -C DIR`")
+    if args.extract:
+        print(f"{tree}: the baseline of {extract(args.extract, tree)['date']}")
+        return
+    baseline = read_baseline(tree)
     run = RunFile("against-commit", out_dir=args.out_dir)
     started, rounds, log = time.time(), [], []
     with tempfile.TemporaryDirectory() as work:
         for index in range(args.rounds):
             rounds.append({})
-            for engine, where, commit in (("baseline", tree, args.baseline_commit), ("now", ROOT, None)):
+            for engine, where, commit in (("baseline", tree, baseline["commit"]), ("now", ROOT, run.header["commit"])):
                 if time.time() - started > args.deadline_s:
                     break
-                result = run_engine(where, commit or run.header["commit"], args,
-                                    Path(work) / f"{engine}-{index}.json")
+                result = run_engine(where, commit, args, Path(work) / f"{engine}-{index}.json")
                 rounds[-1][engine] = result["figures"]
                 log.append({"round": index + 1, "engine": engine, "returncode": result["returncode"],
                             "wall_s": result["wall_s"]})
-                run.write({"baseline_commit": args.baseline_commit, "workloads": args.workloads, "steps": args.steps,
+                run.write({"baseline": baseline, "workloads": args.workloads, "steps": args.steps,
                            "rounds": rounds, "runs": log, "summary": compare(rounds)})
-    print_table(compare(rounds), args.baseline_commit)
-
+    print_table(compare(rounds), baseline)
 
 if __name__ == "__main__":
     main()

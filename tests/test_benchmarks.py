@@ -393,3 +393,23 @@ def test_against_commit_reads_both_layouts_and_compares_medians():
     assert summary["w512"]["now_over_baseline"]["tokens_per_s"] == pytest.approx(65 / 61)
     assert summary["w512"]["now_over_baseline"]["compute_us_per_token"] == pytest.approx(12 / 13)
     assert summary["w2048"]["baseline"]["rounds"] == 0 and summary["w2048"]["now_over_baseline"]["tokens_per_s"] is None
+
+
+def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
+    """--extract writes the commit's package and bench scripts without its results, and BASELINE.json names the
+    commit and its date; a tree without one is refused with the command that makes it."""
+    import subprocess
+
+    from against_commit import extract, read_baseline
+
+    head = subprocess.run(["git", "-C", str(PROJECT_ROOT), "log", "-1", "--format=%h %cs"], capture_output=True,
+                          text=True)
+    if head.returncode != 0:
+        pytest.skip("no git history here")
+    tree = tmp_path / "baseline"
+    assert extract("HEAD", tree) == dict(zip(("commit", "date"), head.stdout.split()))
+    assert read_baseline(tree) == dict(zip(("commit", "date"), head.stdout.split()))
+    assert (tree / "bench" / "throughput.py").exists() and (tree / "nb_helpers" / "__init__.py").exists()
+    assert not (tree / "bench" / "results").exists()
+    with pytest.raises(SystemExit, match="--extract COMMIT"):
+        read_baseline(tmp_path)
