@@ -342,6 +342,17 @@ def dpo(runs: list[dict]) -> dict | None:
             "speed": speed}
 
 
+def against_baseline(run: dict | None) -> dict | None:
+    """The newest bench/against_commit.py run: our default GPU path at the commit measured against an earlier
+    engine, alternating on one card in one run (the only comparison of two engines that host speed does not bend).
+    The earlier engine is named by its date."""
+    if run is None:
+        return None
+    r = run["results"]
+    return {"baseline_date": r["baseline"]["date"], "rounds": len(r["rounds"]),
+            "workloads": {w: r["summary"][w] for w in WORKLOADS if w in r["summary"]}, **source(run)}
+
+
 def latest(runs_dir: Path = RUNS) -> dict:
     by_kind: dict[str, list[dict]] = {}
     for run in load_runs(runs_dir=runs_dir):
@@ -365,6 +376,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "lever_gains": lever_gains(sorted([r for r in by_kind.get("lever-gains", []) + tp if "--gains" in
                                            str(r.get("command"))], key=lambda r: order(r, r["file"]))),
         "lever_memory": lever_memory(newest(by_kind.get("lever-memory", []))),
+        "against_baseline": against_baseline(newest(by_kind.get("against-commit", []))),
         "dpo": dpo(by_kind.get("dpo", [])),
     }
 
@@ -665,6 +677,31 @@ def lever_gains_table(data: dict) -> list[str]:
     return out
 
 
+def against_baseline_table(data: dict) -> list[str]:
+    """Our engine now against an earlier one, on one card in one run."""
+    ab = data.get("against_baseline")
+    if not ab:
+        return []
+    refs = Refs()
+    out = ["", "## Our engine against an earlier one, on one card", "",
+           f"`bench/against_commit.py`: our default GPU path (auto-fit, CUDA graphs, the levers it ships) at the "
+           f"commit measured, and the engine of {ab['baseline_date']} run by its own benchmark script, alternating "
+           f"{ab['rounds']} times on one card in one run: the same workloads, data and steps, under a 4 GiB budget. "
+           "Hosts of one GPU kind differ by up to 1.5×, so only this same-run ratio compares the two engines. "
+           "Medians over the rounds; GPU µs/token is the compute of one profiled step per token.", "",
+           *head("workload", f"tokens/s: {ab['baseline_date']}, now (now / then)",
+                 f"GPU µs/token: {ab['baseline_date']}, now (now / then)", "measured")]
+    for workload, w in ab["workloads"].items():
+        cells = []
+        for key, digits in (("tokens_per_s", 0), ("compute_us_per_token", 2)):
+            ratio = w["now_over_baseline"][key]
+            cells.append(f"{n(w['baseline'][key], digits)}, {n(w['now'][key], digits)} "
+                         f"({'–' if ratio is None else f'{ratio:.3f}'})")
+        out.append(f"| {WORKLOADS[workload]} | {cells[0]} | {cells[1]} | {ab['machine']}, {ab['date']} {refs(ab)} |")
+    out += refs.lines()
+    return out
+
+
 def lever_memory_table(data: dict) -> list[str]:
     """Where taking a lever out changes auto-fit's choice on a GTX 1650."""
     lm = data.get("lever_memory")
@@ -721,7 +758,8 @@ def dpo_tables(data: dict) -> list[str]:
 
 # the sections of bench/RESULTS.md, in order; each returns no lines when its runs are missing
 TABLES = (speed_table, plain_table, gtx1650_table, planner_table, step_time_table, multi_gpu_table, reach_table,
-          cpu_table, course_table, reproducibility_table, lever_gains_table, lever_memory_table, dpo_tables)
+          cpu_table, course_table, reproducibility_table, lever_gains_table, against_baseline_table, lever_memory_table,
+          dpo_tables)
 
 
 def markdown(data: dict) -> str:
