@@ -13,13 +13,15 @@ and data. The run file keeps every round's figures and, per workload, the median
 BASELINE.json naming its commit and date. Both scripts measure the same way (bench/throughput.py: median step after
 warm-up, non-padding tokens, and the GPU compute of one profiled step per token), so their figures compare directly.
 """
+
 from __future__ import annotations
 
 import argparse
-import json
 import io
+import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,8 +103,15 @@ def run_engine(tree: Path, commit: str | None, args, out_json: Path) -> dict:
                "--steps", str(args.steps), "--model-dir", args.model_dir, "--out", str(out_json)]
     env = {**os.environ, "BENCH_COMMIT": commit or ""}
     started = time.time()
-    proc = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, timeout=args.run_timeout_s)
-    print(proc.stdout[-1500:], proc.stderr[-1500:] if proc.returncode else "", sep="\n", flush=True)
+    # its own process group: a run past its time is stopped with the workers it started, which then free the GPU
+    proc = subprocess.Popen(command, env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.run_timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\n(stopped after --run-timeout-s {args.run_timeout_s:g})"
+    print(output[-2000:], flush=True)
     figures = ours_figures(json.loads(out_json.read_text())) if out_json.exists() else {}
     return {"returncode": proc.returncode, "wall_s": round(time.time() - started, 1), "figures": figures}
 
@@ -146,6 +155,8 @@ def main(argv=None) -> None:
     started, rounds, log = time.time(), [], []
     with tempfile.TemporaryDirectory() as work:
         for index in range(args.rounds):
+            if time.time() - started > args.deadline_s:
+                break
             rounds.append({})
             for engine, where, commit in (("baseline", tree, baseline["commit"]), ("now", ROOT, run.header["commit"])):
                 if time.time() - started > args.deadline_s:
@@ -157,6 +168,7 @@ def main(argv=None) -> None:
                 run.write({"baseline": baseline, "workloads": args.workloads, "steps": args.steps,
                            "rounds": rounds, "runs": log, "summary": compare(rounds)})
     print_table(compare(rounds), baseline)
+
 
 if __name__ == "__main__":
     main()
