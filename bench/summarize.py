@@ -677,6 +677,10 @@ def lever_gains_table(data: dict) -> list[str]:
     return out
 
 
+def rounds_of(count: int) -> str:
+    return "1 round" if count == 1 else f"{count} rounds"
+
+
 def against_baseline_table(data: dict) -> list[str]:
     """Our engine now against an earlier one, on one card in one run."""
     ab = data.get("against_baseline")
@@ -685,10 +689,11 @@ def against_baseline_table(data: dict) -> list[str]:
     refs = Refs()
     out = ["", "## Our engine against an earlier one, on one card", "",
            f"`bench/against_commit.py`: our default GPU path (auto-fit, CUDA graphs, the levers it ships) at the "
-           f"commit measured, and the engine of {ab['baseline_date']} run by its own benchmark script, alternating "
-           f"{ab['rounds']} times on one card in one run: the same workloads, data and steps, under a 4 GiB budget. "
-           "Hosts of one GPU kind differ by up to 1.5×, so only this same-run ratio compares the two engines. "
-           "Medians over the rounds; GPU µs/token is the compute of one profiled step per token.", "",
+           f"commit measured, and the engine of {ab['baseline_date']} run by its own benchmark script, one after the "
+           f"other on one card in one run ({rounds_of(ab['rounds'])}, each engine a fresh process): the same "
+           "workloads, data and steps, under a 4 GiB budget. Hosts of one GPU kind differ by up to 1.5×, so only "
+           "this same-run ratio compares the two engines. Each figure is its engine's median over the rounds; GPU "
+           "µs/token is the compute of one profiled step per token.", "",
            *head("workload", f"tokens/s: {ab['baseline_date']}, now (now / then)",
                  f"GPU µs/token: {ab['baseline_date']}, now (now / then)", "measured")]
     for workload, w in ab["workloads"].items():

@@ -417,6 +417,8 @@ def test_the_engine_against_a_baseline_is_summarized_by_the_baselines_date(tmp_p
     assert "the engine of 2026-12-03" in text and "22d453c" not in text + json.dumps(data)
     assert "| 8 × 512 tokens | 60,000, 63,000 (1.050) | 12.60, 12.00 (0.952) | NVIDIA H100, 2026-12-08 [1] |" in text
     assert "| 8 × 2048 tokens | 70,000, – (–) | 11.90, – (–) |" in text
+    assert "(1 round, each engine a fresh process)" in text
+    assert summarize.rounds_of(2) == "2 rounds"
 
 
 def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
