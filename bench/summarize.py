@@ -342,15 +342,16 @@ def dpo(runs: list[dict]) -> dict | None:
             "speed": speed}
 
 
-def against_baseline(run: dict | None) -> dict | None:
-    """The newest bench/against_commit.py run: our default GPU path at the commit measured against an earlier
-    engine, alternating on one card in one run (the only comparison of two engines that host speed does not bend).
-    The earlier engine is named by its date."""
-    if run is None:
-        return None
-    r = run["results"]
-    return {"baseline_date": r["baseline"]["date"], "rounds": len(r["rounds"]),
-            "workloads": {w: r["summary"][w] for w in WORKLOADS if w in r["summary"]}, **source(run)}
+def against_baseline(runs: list[dict]) -> list[dict]:
+    """Every bench/against_commit.py run, oldest first: our default GPU path at the commit measured against an
+    earlier engine, alternating on one card in one run (the only comparison of two engines that host speed does not
+    bend). Runs are never pooled: each is its own host. The earlier engine is named by its date."""
+    out = []
+    for run in sorted(runs, key=lambda r: order(r, r["file"])):
+        r = run["results"]
+        out.append({"baseline_date": r["baseline"]["date"], "rounds": len(r["rounds"]),
+                    "workloads": {w: r["summary"][w] for w in WORKLOADS if w in r["summary"]}, **source(run)})
+    return out
 
 
 def latest(runs_dir: Path = RUNS) -> dict:
@@ -376,7 +377,7 @@ def latest(runs_dir: Path = RUNS) -> dict:
         "lever_gains": lever_gains(sorted([r for r in by_kind.get("lever-gains", []) + tp if "--gains" in
                                            str(r.get("command"))], key=lambda r: order(r, r["file"]))),
         "lever_memory": lever_memory(newest(by_kind.get("lever-memory", []))),
-        "against_baseline": against_baseline(newest(by_kind.get("against-commit", []))),
+        "against_baseline": against_baseline(by_kind.get("against-commit", [])),
         "dpo": dpo(by_kind.get("dpo", [])),
     }
 
@@ -677,32 +678,33 @@ def lever_gains_table(data: dict) -> list[str]:
     return out
 
 
-def rounds_of(count: int) -> str:
-    return "1 round" if count == 1 else f"{count} rounds"
-
-
 def against_baseline_table(data: dict) -> list[str]:
-    """Our engine now against an earlier one, on one card in one run."""
-    ab = data.get("against_baseline")
-    if not ab:
+    """Our engine now against an earlier one, on one card in one run: a row per workload of each run."""
+    runs = data.get("against_baseline")
+    if not runs:
         return []
     refs = Refs()
+    dates = sorted({ab["baseline_date"] for ab in runs})
+    then = dates[0] if len(dates) == 1 else "then"
     out = ["", "## Our engine against an earlier one, on one card", "",
            f"`bench/against_commit.py`: our default GPU path (auto-fit, CUDA graphs, the levers it ships) at the "
-           f"commit measured, and the engine of {ab['baseline_date']} run by its own benchmark script, one after the "
-           f"other on one card in one run ({rounds_of(ab['rounds'])}, each engine a fresh process): the same "
-           "workloads, data and steps, under a 4 GiB budget. Hosts of one GPU kind differ by up to 1.5×, so only "
-           "this same-run ratio compares the two engines. Each figure is its engine's median over the rounds; GPU "
-           "µs/token is the compute of one profiled step per token.", "",
-           *head("workload", f"tokens/s: {ab['baseline_date']}, now (now / then)",
-                 f"GPU µs/token: {ab['baseline_date']}, now (now / then)", "measured")]
-    for workload, w in ab["workloads"].items():
-        cells = []
-        for key, digits in (("tokens_per_s", 0), ("compute_us_per_token", 2)):
-            ratio = w["now_over_baseline"][key]
-            cells.append(f"{n(w['baseline'][key], digits)}, {n(w['now'][key], digits)} "
-                         f"({'–' if ratio is None else f'{ratio:.3f}'})")
-        out.append(f"| {WORKLOADS[workload]} | {cells[0]} | {cells[1]} | {ab['machine']}, {ab['date']} {refs(ab)} |")
+           f"commit measured, and the engine of {', '.join(dates)} run by its own benchmark script, one after the "
+           "other on one card in one run (each engine a fresh process, in rounds): the same workloads, data and "
+           "steps, under a 4 GiB budget. Hosts of one GPU kind differ by up to 1.5×, so only ratios within one run "
+           "compare the two engines, and runs are not pooled. Each figure is its engine's median over the run's "
+           "rounds; GPU µs/token is the compute of one profiled step per token (the host's speed leaves it alone, "
+           "while tokens/s follows the host where it keeps the GPU waiting).", "",
+           *head("workload", f"tokens/s: {then}, now (now / then)", f"GPU µs/token: {then}, now (now / then)",
+                 "rounds", "measured")]
+    for ab in runs:
+        for workload, w in ab["workloads"].items():
+            cells = []
+            for key, digits in (("tokens_per_s", 0), ("compute_us_per_token", 2)):
+                ratio = w["now_over_baseline"][key]
+                cells.append(f"{n(w['baseline'][key], digits)}, {n(w['now'][key], digits)} "
+                             f"({'–' if ratio is None else f'{ratio:.3f}'})")
+            out.append(f"| {WORKLOADS[workload]} | {cells[0]} | {cells[1]} | {ab['rounds']} | {ab['machine']}, "
+                       f"{ab['date']} {refs(ab)} |")
     out += refs.lines()
     return out
 

@@ -396,29 +396,36 @@ def test_against_commit_reads_both_layouts_and_compares_medians():
 
 
 def test_the_engine_against_a_baseline_is_summarized_by_the_baselines_date(tmp_path):
-    """The newest bench/against_commit.py run becomes a table naming the earlier engine by its date, never its
-    commit; a workload where one engine failed shows its figure and "–" for the ratio."""
+    """Every bench/against_commit.py run becomes rows of one table, oldest first and never pooled (each run is its
+    own host), naming the earlier engine by its date, never its commit; a workload where one engine failed shows its
+    figure and "–" for the ratio."""
     import summarize
     from against_commit import compare
 
     def figures(tok_s, us):
         return {"tokens_per_s": tok_s, "compute_us_per_token": us}
 
-    rounds = [{"baseline": {"w512": figures(60_000, 12.6), "w2048": figures(70_000, 11.9)},
-               "now": {"w512": figures(63_000, 12.0)}}]
-    (tmp_path / "2026-12-08-against-commit-a.json").write_text(json.dumps({
-        "format": 1, "kind": "against-commit", "date": "2026-12-08", "command": "python bench/against_commit.py",
-        "commit": "x", "machine": {"gpu": "NVIDIA H100", "gpu_count": 1},
-        "results": {"baseline": {"commit": "22d453c", "date": "2026-12-03"}, "rounds": rounds,
-                    "summary": compare(rounds)}}))
+    def write(name, date, rounds):
+        (tmp_path / name).write_text(json.dumps({
+            "format": 1, "kind": "against-commit", "date": date, "command": "python bench/against_commit.py",
+            "commit": "x", "machine": {"gpu": "NVIDIA H100", "gpu_count": 1},
+            "results": {"baseline": {"commit": "22d453c", "date": "2026-12-03"}, "rounds": rounds,
+                        "summary": compare(rounds)}}))
+
+    write("2026-12-09-against-commit-b.json", "2026-12-09",
+          [{"baseline": {"w512": figures(50_000, 12.5)}, "now": {"w512": figures(55_000, 12.5)}}] * 2)
+    write("2026-12-08-against-commit-a.json", "2026-12-08",
+          [{"baseline": {"w512": figures(60_000, 12.6), "w2048": figures(70_000, 11.9)},
+            "now": {"w512": figures(63_000, 12.0)}}])
     data = summarize.latest(tmp_path)
-    assert data["against_baseline"]["baseline_date"] == "2026-12-03"
+    assert [run["date"] for run in data["against_baseline"]] == ["2026-12-08", "2026-12-09"]
+    assert data["against_baseline"][0]["baseline_date"] == "2026-12-03"
     text = summarize.markdown(data)
     assert "the engine of 2026-12-03" in text and "22d453c" not in text + json.dumps(data)
-    assert "| 8 × 512 tokens | 60,000, 63,000 (1.050) | 12.60, 12.00 (0.952) | NVIDIA H100, 2026-12-08 [1] |" in text
-    assert "| 8 × 2048 tokens | 70,000, – (–) | 11.90, – (–) |" in text
-    assert "(1 round, each engine a fresh process)" in text
-    assert summarize.rounds_of(2) == "2 rounds"
+    older = "| 8 × 512 tokens | 60,000, 63,000 (1.050) | 12.60, 12.00 (0.952) | 1 | NVIDIA H100, 2026-12-08 [1] |"
+    newer = "| 8 × 512 tokens | 50,000, 55,000 (1.100) | 12.50, 12.50 (1.000) | 2 | NVIDIA H100, 2026-12-09 [2] |"
+    assert older in text and newer in text and text.index(older) < text.index(newer)
+    assert "| 8 × 2048 tokens | 70,000, – (–) | 11.90, – (–) | 1 |" in text
 
 
 def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
