@@ -446,3 +446,26 @@ def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
     assert not (tree / "bench" / "results").exists()
     with pytest.raises(SystemExit, match="--extract COMMIT"):
         read_baseline(tmp_path)
+
+
+def test_kernel_totals_sums_each_kernel_and_says_what_changed(tmp_path, capsys):
+    """bench/kernel_totals.py on two made-up GPU-only traces: host ops are left out, each kernel's time and count are
+    summed, and the comparison lists the biggest change first, with a kernel that only one side ran."""
+    from kernel_totals import compare, totals
+
+    def trace(name, events):
+        path = tmp_path / name
+        path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": cat, "name": kernel, "dur": dur}
+                                                    for cat, kernel, dur in events]}))
+        return path
+
+    before = trace("a.json", [("kernel", "gemm", 500), ("kernel", "gemm", 700), ("kernel", "dequant", 100),
+                              ("cpu_op", "aten::mm", 9000)])
+    after = trace("b.json", [("kernel", "gemm", 1200), ("kernel", "add", 400), ("gpu_memcpy", "Memcpy DtoD", 50)])
+    assert totals(before) == {"gemm": (1.2, 2), "dequant": (0.1, 1)}
+    compare(before, after, top=10)
+    lines = capsys.readouterr().out.splitlines()
+    assert "1.30 -> 1.65 ms" in lines[0]
+    assert lines[1].split()[0] == "+0.400" and lines[1].endswith("add")
+    assert lines[2].split()[0] == "-0.100" and lines[2].endswith("dequant")
+    assert not any(line.endswith("gemm") and not line.lstrip().startswith("+0.000") for line in lines[1:])
