@@ -469,3 +469,30 @@ def test_kernel_totals_sums_each_kernel_and_says_what_changed(tmp_path, capsys):
     assert lines[1].split()[0] == "+0.400" and lines[1].endswith("add")
     assert lines[2].split()[0] == "-0.100" and lines[2].endswith("dequant")
     assert not any(line.endswith("gemm") and not line.lstrip().startswith("+0.000") for line in lines[1:])
+
+
+def test_ours_copies_are_ranged_over_runs_and_the_shown_run_named(tmp_path):
+    """Where our path copies checkpoints to CPU RAM, the speed section gives the copies' range over every run and
+    how much of them had no compute beside them (busy minus compute), with the table's own run; a workload without
+    copies (under 10 ms) gets no such line."""
+    import summarize
+
+    def run(name, date, copy_s, busy_s, compute_s):
+        ours = {"tokens_per_s": 60_000, "median_step_s": 0.27, "micro_batch": 8, "accum": 1,
+                "busy": {"copy_s": copy_s, "busy_s": busy_s, "compute_busy_s": compute_s}}
+        small = {**ours, "busy": {"copy_s": 0.002, "busy_s": 0.05, "compute_busy_s": 0.05}}
+        reference = {"tokens_per_s": 6_000, "median_step_s": 2.6, "micro_batch": 1, "accum": 8}
+        (tmp_path / name).write_text(json.dumps({
+            "format": 1, "kind": "throughput", "date": date, "command": "python bench/throughput.py",
+            "commit": "x", "machine": {"gpu": "NVIDIA H100", "gpu_count": 1},
+            "results": {"workloads": {"w2048": {"runs": {"reference": reference, "ours": ours}},
+                                      "w512": {"runs": {"reference": reference, "ours": small}}}}}))
+
+    run("2026-12-08-throughput-a.json", "2026-12-08", 0.100, 0.210, 0.204)
+    run("2026-12-09-throughput-b.json", "2026-12-09", 0.110, 0.250, 0.205)
+    copies = summarize.latest(tmp_path)["throughput"]["ours_copies"]
+    assert list(copies) == ["w2048"] and copies["w2048"]["runs"] == 2
+    assert [round(x) for x in copies["w2048"]["copy_ms"] + copies["w2048"]["alone_ms"]] == [100, 110, 6, 45]
+    text = summarize.markdown(summarize.latest(tmp_path))
+    assert "took 100–110 ms of the profiled step, and for 6–45 ms of them no compute ran" in text
+    assert "(the run above: 45 of 110 ms)" in text
