@@ -9,22 +9,17 @@ Where two engines' GPU compute per token differ (bench/against_commit.py), this 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import defaultdict
 from pathlib import Path
 
-GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+from trace_gaps import GPU_CATS, load
 
 
 def totals(path: Path) -> dict[str, tuple[float, int]]:
     """Kernel name -> (ms, count) over the trace's GPU events."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as handle:
-        events = json.load(handle).get("traceEvents", [])
     ms, count = defaultdict(float), defaultdict(int)
-    for e in events:
-        if e.get("cat") in GPU_CATS and "dur" in e:
+    for e in load(path):
+        if e.get("cat") in GPU_CATS:
             ms[e["name"]] += e["dur"] / 1000
             count[e["name"]] += 1
     return {name: (ms[name], count[name]) for name in ms}

@@ -78,7 +78,7 @@ def side(record: dict) -> dict:
 # --- each thing learners read ---------------------------------------------------------------------------------------
 def throughput(runs: list[dict]) -> dict:
     """Per workload, the newest run with the reference and our default path, both measured in it."""
-    out, versions = {}, None
+    out, picked, versions = {}, {}, None
     for workload, label in WORKLOADS.items():
         for run in reversed(runs):
             pair = runs_of(run, workload)
@@ -86,6 +86,7 @@ def throughput(runs: list[dict]) -> dict:
             if ref.get("tokens_per_s") and ours.get("tokens_per_s"):
                 out[workload] = {"label": label, **source(run), "reference": side(ref), "ours": side(ours),
                                  "ratio": ours["tokens_per_s"] / ref["tokens_per_s"]}
+                picked[workload] = run
                 versions = versions or run.get("versions")
                 break
     spread = {}
@@ -104,7 +105,7 @@ def throughput(runs: list[dict]) -> dict:
                     "(auto-fit), both in the same run on one GPU; TinyLlama-1.1B shape with random weights, "
                     "effective batch 8",
             "budget_gib": (newest.get("results") or {}).get("budget_gib", 4.0), "versions": versions,
-            "workloads": out, "reference_range": spread, "ours_copies": copies_over_runs(runs, out)}
+            "workloads": out, "reference_range": spread, "ours_copies": copies_over_runs(runs, picked)}
 
 
 def copies_of(run: dict, workload: str) -> dict | None:
@@ -117,16 +118,16 @@ def copies_of(run: dict, workload: str) -> dict | None:
 
 
 def copies_over_runs(runs: list[dict], shown: dict) -> dict:
-    """Per workload where ours copies: the range over every committed run, and the run the table shows. Ours
-    follows the host there too: how much of the copying the compute hides depends on the host."""
+    """Per workload where ours copies: the range over every committed run, and the run the table shows (`shown`,
+    per workload). Ours follows the host there too: how much of the copying the compute hides depends on the host."""
     out = {}
     for workload in WORKLOADS:
         seen = [c for run in runs if (c := copies_of(run, workload))]
         if not seen:
             continue
-        row = next((run for run in runs if workload in shown and run["file"] == shown[workload]["run_file"]), None)
         ranges = {key: [min(c[key] for c in seen), max(c[key] for c in seen)] for key in ("copy_ms", "alone_ms")}
-        out[workload] = {"runs": len(seen), "shown": copies_of(row, workload) if row else None, **ranges}
+        out[workload] = {"runs": len(seen), "shown": copies_of(shown[workload], workload) if workload in shown
+                         else None, **ranges}
     return out
 
 
