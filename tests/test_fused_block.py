@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fused_models import fused_model, train_step, use_checkpoints
-from nb_helpers.fast import fused_block, recompute
+from nb_helpers.fast import fused_block, lora_dropout, recompute
 from nb_helpers.fast.mask import decoder_of
 from nb_helpers.fast.options import FastOptions
 from nb_helpers.fast.state import FastPath
@@ -24,6 +24,20 @@ def _stock_forwards(model):
         layer.__dict__.pop("forward", None)
         layer.mlp.__dict__.pop("forward", None)
         layer.self_attn.__dict__.pop("forward", None)
+
+
+def _seeds_drawn_per_layer(model):
+    """The stock layers draw their LoRA layers' dropout seeds as the fused block does, one draw a layer pass
+    (fast.lora_dropout.drawn_together), so that both runs drop the same elements (fused_block.install then replaces
+    these forwards with its own)."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in decoder_of(model).layers:
+        def forward(*args, stock=layer.forward, count=sum(isinstance(m, LoraLayer) for m in layer.modules()),
+                    **kwargs):
+            with lora_dropout.drawn_together(count):
+                return stock(*args, **kwargs)
+        layer.forward = forward
 
 
 def _same(runs_a, runs_b, rtol=1e-5, atol=1e-7):
@@ -175,6 +189,7 @@ def test_on_the_gpu_the_fused_block_trains_as_the_stock_layer_in_bf16(tiny_cfg, 
     model = _model(tiny_cfg, dtype="bfloat16", kernels=True)
     ids = torch.randint(0, 1000, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     use_checkpoints(model, dead_tail=True, offload=offload, graphs=graphs)
+    _seeds_drawn_per_layer(model)
     stock = [train_step(model, ids, torch.bfloat16) for _ in range(3)]
     graphed_layers.reset()
     counts = fused_block.install(model, liger=True, frozen=frozen)

@@ -99,6 +99,24 @@ def test_launch_settings_change_the_time_not_the_bits(device, dtype):
         torch.testing.assert_close(lora_dropout.grads(gd, x, a, seed + 1, p)[1], grad_x)
 
 
+@pytest.mark.parametrize("tokens,rows,per_sm", [(32, 32, 4), (64, 32, 4), (1030, 16, 8)])
+def test_grad_a_is_the_sum_of_every_split_whichever_split_finishes_last(device, tokens, rows, per_sm):
+    """The backward's last split on each column tile adds up every split's partial grad_A (one split: none to add;
+    65 splits: the count per tile must reach each of them), in split order: each launch the same bits."""
+    p = 0.05
+    x, a, _, gd = _inputs(device, torch.float16, tokens, 256, 8)
+    seed = torch.tensor([5], dtype=torch.int32, device=device)
+    settings = dict(BT=rows, BK=64, num_warps=4, num_stages=2, per_sm=per_sm)
+    splits = lora_dropout.row_splits(tokens, 256, rows, 64, per_sm, lora_dropout.sm_count(x.device))[0]
+    assert splits == {32: 1, 64: 2}.get(tokens, splits) and (tokens < 1030 or splits > 32)
+    dropped = x.double() * lora_dropout.drawn_mask(seed, tokens, 256, p, device) * lora_dropout.keep_scale(p)
+    grad_a = lora_dropout.grads(gd, x, a, seed, p, settings=settings)[0]
+    assert grad_a.shape == (8, 256) and grad_a.dtype == torch.float32
+    torch.testing.assert_close(grad_a.double(), gd.double().t() @ dropped, rtol=1e-3, atol=1e-3)
+    for _ in range(3):
+        _assert_same_bits(lora_dropout.grads(gd, x, a, seed, p, settings=settings)[0], grad_a, device)
+
+
 def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles(device):
     p = 0.05
     seed = torch.tensor([77], dtype=torch.int32, device=device)
@@ -110,6 +128,32 @@ def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles(device):
         rates = keep.float().mean(axis)
         assert rates.std().item() < 3 * (expected * (1 - expected) / keep.shape[axis]) ** 0.5
     assert not torch.equal(keep[:, :1024], keep[:, 1024:]) and not torch.equal(keep[::2], keep[1::2])
+
+
+def test_seeds_drawn_together_are_one_draw_rewound_with_the_generator():
+    """A layer's LoRA layers take their seeds from one draw: distinct seeds, the same again after the generator is
+    rewound (a checkpoint's recompute), each layer pass its own; past the count and outside, one draw each."""
+    def layer_pass(count, calls):
+        with lora_dropout.drawn_together(count):
+            return [lora_dropout.draw_seed("cpu") for _ in range(calls)]
+
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    first = layer_pass(4, 5)
+    assert len({int(seed) for seed in first}) == 5 and all(seed.shape == (1,) for seed in first)
+    assert first[0].untyped_storage().data_ptr() == first[3].untyped_storage().data_ptr()  # one tensor, one draw
+    assert first[4].untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()  # past the count: its own
+    second = layer_pass(4, 5)
+    assert not any(torch.equal(a, b) for a, b in zip(first, second))
+    torch.set_rng_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(first, layer_pass(4, 5)))
+    assert lora_dropout._TOGETHER == []  # nothing left behind: outside a layer, one draw a seed
+    torch.set_rng_state(state)
+    with lora_dropout.drawn_together(4):  # a layer pass with no dropout draws nothing: the generator does not move
+        pass
+    after = torch.randint(0, 2**20, (3,))
+    torch.set_rng_state(state)
+    assert torch.equal(after, torch.randint(0, 2**20, (3,)))
 
 
 def test_the_seed_comes_from_torchs_generator_and_decides_the_mask(device):
@@ -260,7 +304,8 @@ def test_the_kernels_compile_for_the_gpus_they_serve(capability, dtype):
         k.down_kernel: ([dtype] * 5 + ["*i32"] + [i32] * 5 + [f32] * 2, dict(R=16, BT=64, BK=128, BN=128,
                                                                           WRITE_OUT=True)),
         k.out_kernel: ([dtype] * 3 + [i32] * 3 + [f32], dict(R=16, BT=64, BN=128)),
-        k.backward_kernel: ([dtype] * 4 + ["*fp32", "*i32"] + [i32] * 4 + [f32, i32], dict(R=16, BT=64, BK=128)),
+        k.backward_kernel: ([dtype] * 4 + ["*fp32", "*fp32", "*i32", "*i32"] + [i32] * 4 + [f32, i32, i32],
+                            dict(R=16, BT=64, BK=128)),
         k.mask_kernel: (["*i8", "*i32"] + [i32] * 3, dict(BT=32, BK=64)),
     }
     for kernel, (types, constants) in signatures.items():

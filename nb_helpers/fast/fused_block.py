@@ -10,6 +10,8 @@ activations whose work a neighbour can do. At 8 x 2048 tokens on an H200 one pas
     runs: the backward reads only gate's and up's outputs.
   * The residual add before the MLP's norm and the norm itself are liger-kernel's fused add + RMSNorm: one kernel
     forward, one backward (which adds the residual's gradient too), where the stock layer runs two each way.
+  * The layer's LoRA layers (q, k, v, o) draw their dropout seeds (fast.lora_dropout) in one kernel, where each drew
+    its own: 4 small kernels a layer pass become 1.
   * The layer's last residual add, in such a recompute, is skipped: its value is thrown away (the checkpoint's
     backward needs only the gradient path), so an uninitialised tensor with the add's backward stands for it. Under
     no_grad (a checkpoint's first forward, evaluation) that add runs inside down's GEMM instead (beta=1).
@@ -25,7 +27,7 @@ import types
 
 import torch
 
-from nb_helpers.fast import frozen_norms, recompute, saved_attention
+from nb_helpers.fast import frozen_norms, lora_dropout, recompute, saved_attention
 from nb_helpers.fast.fused_lora import _dequantize, frozen_linear
 
 
@@ -136,7 +138,14 @@ def _add_norm(hidden_states, residual, norm, liger: bool, frozen: bool = False):
 def _layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                    use_cache=False, position_embeddings=None, **kwargs):
     """transformers' LlamaDecoderLayer.forward, with the post-attention add and norm fused and the last add skipped
-    where its value is thrown away."""
+    where its value is thrown away; its LoRA layers' dropout seeds drawn in one kernel."""
+    with lora_dropout.drawn_together(self._nb_lora_layers):
+        return _layer_body(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache,
+                           position_embeddings, **kwargs)
+
+
+def _layer_body(self, hidden_states, attention_mask, position_ids, past_key_values, use_cache, position_embeddings,
+                **kwargs):
     if self._nb_frozen_norms:  # the input's two gradients summed inside the norm's backward kernel
         hidden_states, residual = frozen_norms.norm_keeping_input(hidden_states, self.input_layernorm)
     else:
@@ -197,6 +206,7 @@ def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> di
     (fast.saved_attention; fast.checkpoints switches it per layer), which then runs a copy of Llama's attention
     forward. Returns how many layers, MLPs, fused norms, layers with frozen_norms' backward and attentions with
     saved_attention were patched."""
+    from peft.tuners.lora import LoraLayer
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
     from nb_helpers.fast.mask import decoder_of
@@ -209,6 +219,7 @@ def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> di
         layer._nb_liger_norm = liger and _liger_norm(layer.post_attention_layernorm)
         layer._nb_frozen_norms = frozen and layer._nb_liger_norm and _liger_norm(layer.input_layernorm) and all(
             frozen_norms.takes(n) for n in (layer.input_layernorm, layer.post_attention_layernorm))
+        layer._nb_lora_layers = sum(isinstance(m, LoraLayer) for m in layer.modules())
         layer.forward = types.MethodType(_layer_forward, layer)
         counts["layers"] += 1
         counts["norms"] += layer._nb_liger_norm

@@ -18,6 +18,7 @@ scaled by its inverse. The masks are not the ones torch.nn.Dropout draws: the sa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -52,8 +53,35 @@ def usable(flat, lora_a, outputs: int = 0) -> bool:
 
 
 def draw_seed(device) -> torch.Tensor:
-    """One seed from torch's generator for `device`, kept on the device: rewound with the generator, graph-safe."""
+    """One seed from torch's generator for `device`, kept on the device: rewound with the generator, graph-safe.
+    Inside drawn_together(), the next of the seeds drawn there."""
+    if _TOGETHER and (batch := _TOGETHER[-1]).count > batch.taken:
+        if batch.seeds is None:
+            batch.seeds = torch.randint(0, 2**31 - 1, (batch.count,), device=device, dtype=torch.int32)
+        batch.taken += 1
+        return batch.seeds[batch.taken - 1:batch.taken]
     return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int32)
+
+
+class _Batch:
+    def __init__(self, count: int):
+        self.count, self.taken, self.seeds = count, 0, None
+
+
+_TOGETHER: list[_Batch] = []
+
+
+@contextlib.contextmanager
+def drawn_together(count: int):
+    """The first `count` seeds draw_seed() gives inside are drawn in one kernel, at the first of them: a decoder
+    layer's LoRA layers take theirs from one draw (fast.fused_block), where each drew its own (a kernel of about 2 us
+    each). A checkpoint's recompute rewinds the generator to the layer's start, so it draws the same seeds again, in
+    the same order; past `count`, each seed is drawn on its own as outside."""
+    _TOGETHER.append(_Batch(count))
+    try:
+        yield
+    finally:
+        _TOGETHER.pop()
 
 
 def threshold(p: float) -> int:
@@ -169,12 +197,17 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     settings = settings or tiles("backward", tokens, features)
     rows, cols = settings["BT"], settings["BK"]
     splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"], sm_count(flat.device))
-    parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
+    grad_a = torch.empty(rank, features, dtype=torch.float32, device=flat.device)
+    if splits > 1:  # each split's partial grad_A, and how many splits have stored theirs, per column tile
+        parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
+        arrived = torch.zeros(features // cols, dtype=torch.int32, device=flat.device)
+    else:  # one split writes grad_A itself: neither is read
+        parts, arrived = grad_a, torch.empty(1, dtype=torch.int32, device=flat.device)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
     kernels().backward_kernel[(features // cols, splits)](
-        grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, seed, tokens, features, rank, threshold(p),
-        keep_scale(p), rows_per_split, R=padded, BT=rows, BK=cols, **_launch(settings))
-    return (parts[0] if splits == 1 else parts.sum(0))[:rank], grad_x
+        grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, grad_a, arrived, seed, tokens, features, rank,
+        threshold(p), keep_scale(p), rows_per_split, splits, R=padded, BT=rows, BK=cols, **_launch(settings))
+    return grad_a, grad_x
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

@@ -72,10 +72,14 @@ def out_kernel(down_ptr, b_ptr, out_ptr, tokens, rank, outputs, scaling, R: tl.c
 
 
 @triton.jit
-def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, features, rank, threshold, inv_keep,
-                    rows_per_split, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, ga_ptr, arrived_ptr, seed_ptr, tokens, features, rank,
+                    threshold, inv_keep, rows_per_split, splits, R: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """One split of the rows and BK columns, the mask drawn once for both: x's gradient share (grad_down A) * mask /
-    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, scaled by 1 / (1 - p))."""
+    (1 - p), written; and grad_down^T dropout(x) summed over the split (rank x BK, fp32, scaled by 1 / (1 - p)).
+
+    grad_A is the sum of the splits' partial sums. The split that finishes last on its columns adds them up, in split
+    order (the same bits whichever finishes last), and writes grad_A's columns: a count per column tile in
+    `arrived_ptr` (zeros at launch) says which split that is, so no second kernel runs for the sum."""
     col0 = tl.program_id(0) * BK
     cols = col0 + tl.arange(0, BK)
     split = tl.program_id(1)
@@ -95,7 +99,18 @@ def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, seed_ptr, tokens, fe
         acc += tl.dot(tl.trans(gd.to(x.dtype)), tl.where(keep, x, 0.0).to(x.dtype))
         share = tl.where(keep, tl.dot(gd, a.to(gd.dtype)) * inv_keep, 0.0)
         tl.store(gx_ptr + rows[:, None] * features + cols[None, :], share.to(gx_ptr.dtype.element_ty), mask=inside)
-    tl.store(part_ptr + split * R * features + ranks[:, None] * features + cols[None, :], acc * inv_keep)
+    acc = acc * inv_keep
+    into = ranks[:, None] * features + cols[None, :]
+    if splits == 1:
+        tl.store(ga_ptr + into, acc, mask=ranks[:, None] < rank)
+    else:
+        tl.store(part_ptr + split * R * features + into, acc)
+        tl.debug_barrier()  # every thread's partial sum stored before the count says so (the atomic releases them)
+        if tl.atomic_add(arrived_ptr + tl.program_id(0), 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros((R, BK), dtype=tl.float32)
+            for other in range(0, splits):  # from L2 (.cg): the other splits wrote them from other SMs
+                total += tl.load(part_ptr + other * R * features + into, cache_modifier=".cg")
+            tl.store(ga_ptr + into, total, mask=ranks[:, None] < rank)
 
 
 @triton.jit
