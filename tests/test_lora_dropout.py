@@ -115,6 +115,8 @@ def test_grad_a_is_the_sum_of_every_split_whichever_split_finishes_last(device, 
     torch.testing.assert_close(grad_a.double(), gd.double().t() @ dropped, rtol=1e-3, atol=1e-3)
     for _ in range(3):
         _assert_same_bits(lora_dropout.grads(gd, x, a, seed, p, settings=settings)[0], grad_a, device)
+    counts = lora_dropout.arrival_counts(x.device, 256 // 64)  # the kept counts, left at zero for the next call
+    assert counts.numel() >= 4 and not counts.any()
 
 
 def test_the_mask_keeps_one_minus_p_everywhere_whatever_the_tiles(device):

@@ -200,7 +200,7 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     grad_a = torch.empty(rank, features, dtype=torch.float32, device=flat.device)
     if splits > 1:  # each split's partial grad_A, and how many splits have stored theirs, per column tile
         parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
-        arrived = torch.zeros(features // cols, dtype=torch.int32, device=flat.device)
+        arrived = arrival_counts(flat.device, features // cols)
     else:  # one split writes grad_A itself: neither is read
         parts, arrived = grad_a, torch.empty(1, dtype=torch.int32, device=flat.device)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
@@ -208,6 +208,29 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
         grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, grad_a, arrived, seed, tokens, features, rank,
         threshold(p), keep_scale(p), rows_per_split, splits, R=padded, BT=rows, BK=cols, **_launch(settings))
     return grad_a, grad_x
+
+
+_COUNTS: dict[str, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device, tiles: int) -> torch.Tensor:
+    """`tiles` zeros for backward_kernel's counts, kept per device: the kernel leaves them at zero (each tile's last
+    split resets its count), so no fill kernel runs per call. Calls on one device run in stream order (graphed layers
+    replay on a side stream the current one waits for), so they never share a count at once. A buffer, once made, is
+    never freed: a CUDA graph may have captured its address. A capture that needs more than any holds makes its own
+    (its fill is captured with it)."""
+    kept = _COUNTS.setdefault(str(torch.device(device)), [])
+    for counts in kept:
+        if counts.numel() >= tiles:
+            return counts
+    if _capturing(device):
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    kept.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def _capturing(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def drawn_mask(seed, tokens: int, features: int, p: float, device, rows: int = 32, cols: int = 64) -> torch.Tensor:

@@ -79,7 +79,7 @@ def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, ga_ptr, arrived_ptr,
 
     grad_A is the sum of the splits' partial sums. The split that finishes last on its columns adds them up, in split
     order (the same bits whichever finishes last), and writes grad_A's columns: a count per column tile in
-    `arrived_ptr` (zeros at launch) says which split that is, so no second kernel runs for the sum."""
+    `arrived_ptr` (zeros at launch, left at zero) says which split that is, so no second kernel runs for the sum."""
     col0 = tl.program_id(0) * BK
     cols = col0 + tl.arange(0, BK)
     split = tl.program_id(1)
@@ -111,6 +111,7 @@ def backward_kernel(gd_ptr, x_ptr, a_ptr, gx_ptr, part_ptr, ga_ptr, arrived_ptr,
             for other in range(0, splits):  # from L2 (.cg): the other splits wrote them from other SMs
                 total += tl.load(part_ptr + other * R * features + into, cache_modifier=".cg")
             tl.store(ga_ptr + into, total, mask=ranks[:, None] < rank)
+            tl.store(arrived_ptr + tl.program_id(0), 0)  # zero again for the next call (fast.lora_dropout keeps it)
 
 
 @triton.jit
