@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run_file import RunFile, add_out_dir  # noqa: E402
+from run_file import RunFile, add_out_dir, compute_apps  # noqa: E402
 from throughput import WARMUP  # noqa: E402  (3 warm-up steps)
 
 from nb_helpers.distributed import free_port  # noqa: E402
@@ -69,21 +69,6 @@ def write_config(args, model_dir: Path, data: Path, work: Path, world: int) -> P
     path = work / f"config-{world}.json"  # the same knobs for every world size; only the runs folder differs
     cfg.save(path)
     return path
-
-
-def compute_apps() -> list[tuple[int, str, int]]:
-    """(pid, GPU uuid, MiB) of every process holding memory on a GPU, as nvidia-smi lists them."""
-    try:
-        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    rows = []
-    for line in text.strip().splitlines():
-        pid, uuid, mib = (part.strip() for part in line.split(","))
-        if mib.isdigit():
-            rows.append((int(pid), uuid, int(mib)))
-    return rows
 
 
 def run_sampling_apps(command: list[str], env: dict, timeout_s: float, sample: bool):

@@ -106,6 +106,29 @@ def gpu_machine() -> dict:
     return {"gpu": None, "gpu_count": 0, "driver": None}
 
 
+def compute_apps() -> list[tuple[int, str, int]]:
+    """(pid, GPU uuid, MiB) of every process holding memory on a GPU, as nvidia-smi lists them."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in text.strip().splitlines():
+        pid, uuid, mib = (part.strip() for part in line.split(","))
+        if mib.isdigit():
+            rows.append((int(pid), uuid, int(mib)))
+    return rows
+
+
+def host_load() -> dict:
+    """What else the machine carries as a run starts: the 1-minute load average over its cores and the processes
+    holding GPU memory (pid, MiB). A host-bound run (the reference recipe) slows under other work, and memory others
+    hold shifts the CUDA context's measured size: leftovers of an earlier command show up here."""
+    return {"load_1min": round(os.getloadavg()[0], 2), "cores": os.cpu_count(),
+            "gpu_processes": [[pid, mib] for pid, _, mib in compute_apps() if pid != os.getpid()]}
+
+
 def cpu_machine() -> dict:
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "arch": platform.machine()}
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run_file import RunFile, add_out_dir  # noqa: E402
+from run_file import RunFile, add_out_dir, host_load  # noqa: E402
 from trace_gaps import analyze, is_copy, load  # noqa: E402
 
 WARMUP = 3
@@ -554,13 +554,19 @@ def measure(spec: dict, work: Path) -> dict:
     stem = f"{spec['workload']}-{spec['name']}"
     spec_path, result_path = work / f"{stem}.json", work / f"{stem}.out"
     spec_path.write_text(json.dumps(spec))
+    before = host_load()
+    if before["gpu_processes"]:
+        print(f"[throughput] {stem}: {len(before['gpu_processes'])} other process(es) hold GPU memory as it starts "
+              f"({sum(mib for _, mib in before['gpu_processes'])} MiB): its figures may not be this code's alone",
+              flush=True)
     t0 = time.time()
     throttled = cpu_throttling()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path),
                            str(result_path)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **spec.get("env", {}), "PYTHONPATH": os.pathsep.join(
                               filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-    row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode}
+    row = {"recipe": spec["recipe"], "wall_s": round(time.time() - t0, 1), "returncode": proc.returncode,
+           "host_before": before}
     if throttled:  # the container's CPU quota: periods in which the run was throttled, and for how long
         after = cpu_throttling()
         row["cpu_throttled"] = {k: after[k] - throttled[k] for k in throttled}

@@ -206,6 +206,23 @@ def test_a_run_file_records_the_run_and_rewrites_itself(tmp_path, monkeypatch):
     assert order[0] == f"{data['date']}-cpu-h01.json"  # a migrated file (no start time) before a new one that day
 
 
+def test_a_run_notes_what_else_holds_the_gpu_as_it_starts(tmp_path, monkeypatch):
+    """host_load() lists other processes' GPU memory from nvidia-smi (this process left out: a parent that made
+    its model on the card is not a stranger) and the load average; no nvidia-smi, no processes."""
+    import os
+
+    from run_file import host_load
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '4242, GPU-a, 1536'\necho '{os.getpid()}, GPU-a, 600'\necho '77, GPU-a, [N/A]'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    load = host_load()
+    assert load["gpu_processes"] == [[4242, 1536]] and load["load_1min"] >= 0 and load["cores"] == os.cpu_count()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert host_load()["gpu_processes"] == []
+
+
 def test_trace_gaps_blames_each_gap_on_the_op_that_launched_its_end(tmp_path):
     """bench/trace_gaps.py on a made-up trace: one gap the host caused inside the optimizer (its launch came late),
     one the GPU spent waiting on another stream (its launch came before the gap began)."""
