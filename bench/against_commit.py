@@ -5,9 +5,12 @@ has one honest answer: run both engines on the same card, back to back, more tha
 tree's own bench/throughput.py and then this tree's, both `--only ours` (our default: auto-fit, CUDA graphs, every
 lever that commit ships) at the same workloads and steps, each in fresh processes on the same random-weight model
 and data. The run file keeps every round's figures and, per workload, the median of each engine and their ratio.
+With --with-reference the reference recipe (this tree's) runs first, once, so each engine's speed over it comes from
+the same card and host: the reference follows the host's CPU far more than either engine does.
 
     python bench/against_commit.py --extract 22d453c                 # here, where the history is: bench/baseline/
     python bench/against_commit.py --out-dir $OUT                    # on the GPU (carry bench/baseline)
+    python bench/against_commit.py --with-reference --rounds 1 --out-dir $OUT   # and both against the reference
 
 --extract writes the baseline's package, bench scripts and data to bench/baseline/ (git-ignored), with
 BASELINE.json naming its commit and date. Both scripts measure the same way (bench/throughput.py: median step after
@@ -63,13 +66,13 @@ def read_baseline(tree: Path) -> dict:
                          f"python bench/against_commit.py --extract COMMIT") from None
 
 
-def ours_figures(data: dict) -> dict:
-    """Per workload, our default's figures from either script's output: a run file (results.workloads) or the
-    single throughput.json older scripts wrote (workloads at the top)."""
+def ours_figures(data: dict, recipe: str = "ours") -> dict:
+    """Per workload, our default's figures (or the reference's) from either script's output: a run file
+    (results.workloads) or the single throughput.json older scripts wrote (workloads at the top)."""
     workloads = (data.get("results") or data).get("workloads") or {}
     out = {}
     for name, workload in workloads.items():
-        run = workload.get("ours") or (workload.get("runs") or {}).get("ours")
+        run = workload.get(recipe) or (workload.get("runs") or {}).get(recipe)
         if not run or run.get("returncode", 0) != 0 or not run.get("tokens_per_s"):
             continue
         busy = run.get("busy") or {}
@@ -79,9 +82,10 @@ def ours_figures(data: dict) -> dict:
     return out
 
 
-def compare(rounds: list[dict]) -> dict:
+def compare(rounds: list[dict], reference: dict | None = None) -> dict:
     """Per workload: each engine's median over the rounds, and now / baseline (tokens/s: above 1 is faster now;
-    GPU compute per token: below 1 is less work now)."""
+    GPU compute per token: below 1 is less work now); with the reference's figures, each engine's tokens/s over
+    the reference's."""
     out = {}
     for workload in sorted({w for r in rounds for engine in r.values() for w in engine}):
         medians = {}
@@ -94,12 +98,17 @@ def compare(rounds: list[dict]) -> dict:
         ratio = {key: now[key] / baseline[key] if now[key] and baseline[key] else None
                  for key in ("tokens_per_s", "compute_us_per_token")}
         out[workload] = {**medians, "now_over_baseline": ratio}
+        if (ref := (reference or {}).get(workload, {}).get("tokens_per_s")):
+            out[workload]["reference"] = {"tokens_per_s": ref}
+            out[workload]["over_reference"] = {engine: medians[engine]["tokens_per_s"] / ref
+                                               if medians[engine]["tokens_per_s"] else None
+                                               for engine in ("baseline", "now")}
     return out
 
 
-def run_engine(tree: Path, commit: str | None, args, out_json: Path) -> dict:
-    """One engine's `--only ours` run, its own script and package, in a fresh process."""
-    command = [sys.executable, str(tree / "bench" / "throughput.py"), "--workloads", args.workloads, "--only", "ours",
+def run_engine(tree: Path, commit: str | None, args, out_json: Path, recipe: str = "ours") -> dict:
+    """One engine's `--only ours` run (or the reference recipe's), its own script and package, in a fresh process."""
+    command = [sys.executable, str(tree / "bench" / "throughput.py"), "--workloads", args.workloads, "--only", recipe,
                "--steps", str(args.steps), "--model-dir", args.model_dir, "--out", str(out_json)]
     env = {**os.environ, "BENCH_COMMIT": commit or ""}
     started = time.time()
@@ -112,7 +121,7 @@ def run_engine(tree: Path, commit: str | None, args, out_json: Path) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         output = proc.communicate()[0] + f"\n(stopped after --run-timeout-s {args.run_timeout_s:g})"
     print(output[-2000:], flush=True)
-    figures = ours_figures(json.loads(out_json.read_text())) if out_json.exists() else {}
+    figures = ours_figures(json.loads(out_json.read_text()), recipe) if out_json.exists() else {}
     return {"returncode": proc.returncode, "wall_s": round(time.time() - started, 1), "figures": figures}
 
 
@@ -126,6 +135,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--run-timeout-s", type=float, default=240)
     parser.add_argument("--deadline-s", type=float, default=1e9, help="start no new engine run after this many s")
+    parser.add_argument("--with-reference", action="store_true",
+                        help="first run the reference recipe once: each engine's tokens/s over it, same host")
     add_out_dir(parser)
     return parser.parse_args(argv)
 
@@ -142,6 +153,11 @@ def print_table(summary: dict, baseline: dict) -> None:
         print(f"{workload:10} {shown(base['tokens_per_s'], ',.0f'):>14} {shown(now['tokens_per_s'], ',.0f'):>10} "
               f"{shown(ratio['tokens_per_s'], '.3f'):>12} {shown(base['compute_us_per_token'], '.2f'):>15} "
               f"{shown(now['compute_us_per_token'], '.2f'):>11} {shown(ratio['compute_us_per_token'], '.3f'):>12}")
+    for workload, row in summary.items():
+        if "reference" in row:
+            over = row["over_reference"]
+            print(f"{workload:10} the reference {row['reference']['tokens_per_s']:,.0f} tok/s: baseline "
+                  f"{shown(over['baseline'], '.2f')}x, now {shown(over['now'], '.2f')}x")
 
 
 def main(argv=None) -> None:
@@ -152,8 +168,13 @@ def main(argv=None) -> None:
         return
     baseline = read_baseline(tree)
     run = RunFile("against-commit", out_dir=args.out_dir)
-    started, rounds, log = time.time(), [], []
+    started, rounds, log, reference = time.time(), [], [], None
     with tempfile.TemporaryDirectory() as work:
+        if args.with_reference:  # once: the reference's speed is the host's, not an engine's
+            result = run_engine(ROOT, run.header["commit"], args, Path(work) / "reference.json", "reference")
+            reference = result["figures"]
+            log.append({"round": 0, "engine": "reference", "returncode": result["returncode"],
+                        "wall_s": result["wall_s"]})
         for index in range(args.rounds):
             if time.time() - started > args.deadline_s:
                 break
@@ -166,8 +187,9 @@ def main(argv=None) -> None:
                 log.append({"round": index + 1, "engine": engine, "returncode": result["returncode"],
                             "wall_s": result["wall_s"]})
                 run.write({"baseline": baseline, "workloads": args.workloads, "steps": args.steps,
-                           "rounds": rounds, "runs": log, "summary": compare(rounds)})
-    print_table(compare(rounds), baseline)
+                           "rounds": rounds, "runs": log, "reference": reference,
+                           "summary": compare(rounds, reference)})
+    print_table(compare(rounds, reference), baseline)
 
 
 if __name__ == "__main__":

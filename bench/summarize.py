@@ -725,9 +725,10 @@ def against_baseline_table(data: dict) -> list[str]:
            "steps, under a 4 GiB budget. Hosts of one GPU kind differ by up to 1.5×, so only ratios within one run "
            "compare the two engines, and runs are not pooled. Each figure is its engine's median over the run's "
            "rounds; GPU µs/token is the compute of one profiled step per token (the host's speed leaves it alone, "
-           "while tokens/s follows the host where it keeps the GPU waiting).", "",
+           "while tokens/s follows the host where it keeps the GPU waiting). Where the run measured the reference "
+           "recipe too (once, before the rounds), each engine's speed over it on that host.", "",
            *head("workload", f"tokens/s: {then}, now (now / then)", f"GPU µs/token: {then}, now (now / then)",
-                 "rounds", "measured")]
+                 f"× the reference: {then}, now", "rounds", "measured")]
     for ab in runs:
         for workload, w in ab["workloads"].items():
             cells = []
@@ -735,8 +736,11 @@ def against_baseline_table(data: dict) -> list[str]:
                 ratio = w["now_over_baseline"][key]
                 cells.append(f"{n(w['baseline'][key], digits)}, {n(w['now'][key], digits)} "
                              f"({'–' if ratio is None else f'{ratio:.3f}'})")
-            out.append(f"| {WORKLOADS[workload]} | {cells[0]} | {cells[1]} | {ab['rounds']} | {ab['machine']}, "
-                       f"{ab['date']} {refs(ab)} |")
+            over = w.get("over_reference")
+            cells.append("–" if not over else ", ".join("–" if over[e] is None else f"{over[e]:.1f}×"
+                                                         for e in ("baseline", "now")))
+            out.append(f"| {WORKLOADS[workload]} | {cells[0]} | {cells[1]} | {cells[2]} | {ab['rounds']} | "
+                       f"{ab['machine']}, {ab['date']} {refs(ab)} |")
     out += refs.lines()
     return out
 

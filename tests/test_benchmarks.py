@@ -410,6 +410,12 @@ def test_against_commit_reads_both_layouts_and_compares_medians():
     assert summary["w512"]["now_over_baseline"]["tokens_per_s"] == pytest.approx(65 / 61)
     assert summary["w512"]["now_over_baseline"]["compute_us_per_token"] == pytest.approx(12 / 13)
     assert summary["w2048"]["baseline"]["rounds"] == 0 and summary["w2048"]["now_over_baseline"]["tokens_per_s"] is None
+    reference = ours_figures({"results": {"workloads": {"w512": {"runs": {"reference": ours(2_000, 48.0)}}}}},
+                             "reference")  # --with-reference: the recipe's run, read as ours is
+    beside = compare(rounds, reference)
+    assert beside["w512"]["reference"] == {"tokens_per_s": 2_000}
+    assert beside["w512"]["over_reference"] == {"baseline": pytest.approx(30.5), "now": pytest.approx(32.5)}
+    assert "over_reference" not in beside["w2048"] and "over_reference" not in summary["w512"]
 
 
 def test_the_engine_against_a_baseline_is_summarized_by_the_baselines_date(tmp_path):
@@ -422,15 +428,16 @@ def test_the_engine_against_a_baseline_is_summarized_by_the_baselines_date(tmp_p
     def figures(tok_s, us):
         return {"tokens_per_s": tok_s, "compute_us_per_token": us}
 
-    def write(name, date, rounds):
+    def write(name, date, rounds, reference=None):
         (tmp_path / name).write_text(json.dumps({
             "format": 1, "kind": "against-commit", "date": date, "command": "python bench/against_commit.py",
             "commit": "x", "machine": {"gpu": "NVIDIA H100", "gpu_count": 1},
             "results": {"baseline": {"commit": "22d453c", "date": "2026-12-03"}, "rounds": rounds,
-                        "summary": compare(rounds)}}))
+                        "summary": compare(rounds, reference)}}))
 
     write("2026-12-09-against-commit-b.json", "2026-12-09",
-          [{"baseline": {"w512": figures(50_000, 12.5)}, "now": {"w512": figures(55_000, 12.5)}}] * 2)
+          [{"baseline": {"w512": figures(50_000, 12.5)}, "now": {"w512": figures(55_000, 12.5)}}] * 2,
+          reference={"w512": {"tokens_per_s": 2_000}})
     write("2026-12-08-against-commit-a.json", "2026-12-08",
           [{"baseline": {"w512": figures(60_000, 12.6), "w2048": figures(70_000, 11.9)},
             "now": {"w512": figures(63_000, 12.0)}}])
@@ -439,10 +446,11 @@ def test_the_engine_against_a_baseline_is_summarized_by_the_baselines_date(tmp_p
     assert data["against_baseline"][0]["baseline_date"] == "2026-12-03"
     text = summarize.markdown(data)
     assert "the engine of 2026-12-03" in text and "22d453c" not in text + json.dumps(data)
-    older = "| 8 × 512 tokens | 60,000, 63,000 (1.050) | 12.60, 12.00 (0.952) | 1 | NVIDIA H100, 2026-12-08 [1] |"
-    newer = "| 8 × 512 tokens | 50,000, 55,000 (1.100) | 12.50, 12.50 (1.000) | 2 | NVIDIA H100, 2026-12-09 [2] |"
+    older = "| 8 × 512 tokens | 60,000, 63,000 (1.050) | 12.60, 12.00 (0.952) | – | 1 | NVIDIA H100, 2026-12-08 [1] |"
+    newer = ("| 8 × 512 tokens | 50,000, 55,000 (1.100) | 12.50, 12.50 (1.000) | 25.0×, 27.5× | 2 | NVIDIA H100, "
+             "2026-12-09 [2] |")  # the run with the reference: each engine's median over it
     assert older in text and newer in text and text.index(older) < text.index(newer)
-    assert "| 8 × 2048 tokens | 70,000, – (–) | 11.90, – (–) | 1 |" in text
+    assert "| 8 × 2048 tokens | 70,000, – (–) | 11.90, – (–) | – | 1 |" in text
 
 
 def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
