@@ -30,11 +30,8 @@ def _seeds_drawn_per_layer(model):
     """The stock layers draw their LoRA layers' dropout seeds as the fused block does, one draw a layer pass
     (fast.lora_dropout.drawn_together), so that both runs drop the same elements (fused_block.install then replaces
     these forwards with its own)."""
-    from peft.tuners.lora import LoraLayer
-
     for layer in decoder_of(model).layers:
-        def forward(*args, stock=layer.forward, count=sum(isinstance(m, LoraLayer) for m in layer.modules()),
-                    **kwargs):
+        def forward(*args, stock=layer.forward, count=fused_block.lora_layer_count(layer), **kwargs):
             with lora_dropout.drawn_together(count):
                 return stock(*args, **kwargs)
         layer.forward = forward

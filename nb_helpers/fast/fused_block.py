@@ -199,6 +199,13 @@ def _liger_norm(norm) -> bool:
         and getattr(norm, "row_mode", None) is None and getattr(norm, "weight", None) is not None
 
 
+def lora_layer_count(layer) -> int:
+    """How many LoRA layers a decoder layer holds: the seeds its pass draws together (lora_dropout.drawn_together)."""
+    from peft.tuners.lora import LoraLayer
+
+    return sum(isinstance(m, LoraLayer) for m in layer.modules())
+
+
 def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> dict[str, int]:
     """Route each Llama decoder layer through _layer_forward, and each MLP whose projections are frozen 4-bit layers
     through FrozenMLP4bit. `liger`: liger-kernel's kernels run here (fast.kernels); `frozen`: lever frozen_norms, where
@@ -206,7 +213,6 @@ def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> di
     (fast.saved_attention; fast.checkpoints switches it per layer), which then runs a copy of Llama's attention
     forward. Returns how many layers, MLPs, fused norms, layers with frozen_norms' backward and attentions with
     saved_attention were patched."""
-    from peft.tuners.lora import LoraLayer
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer
 
     from nb_helpers.fast.mask import decoder_of
@@ -219,7 +225,7 @@ def install(model, liger: bool, frozen: bool = False, saved: bool = False) -> di
         layer._nb_liger_norm = liger and _liger_norm(layer.post_attention_layernorm)
         layer._nb_frozen_norms = frozen and layer._nb_liger_norm and _liger_norm(layer.input_layernorm) and all(
             frozen_norms.takes(n) for n in (layer.input_layernorm, layer.post_attention_layernorm))
-        layer._nb_lora_layers = sum(isinstance(m, LoraLayer) for m in layer.modules())
+        layer._nb_lora_layers = lora_layer_count(layer)
         layer.forward = types.MethodType(_layer_forward, layer)
         counts["layers"] += 1
         counts["norms"] += layer._nb_liger_norm

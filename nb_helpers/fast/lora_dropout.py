@@ -198,11 +198,9 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     rows, cols = settings["BT"], settings["BK"]
     splits, rows_per_split = row_splits(tokens, features, rows, cols, settings["per_sm"], sm_count(flat.device))
     grad_a = torch.empty(rank, features, dtype=torch.float32, device=flat.device)
-    if splits > 1:  # each split's partial grad_A, and how many splits have stored theirs, per column tile
-        parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device)
-        arrived = arrival_counts(flat.device, features // cols)
-    else:  # one split writes grad_A itself: neither is read
-        parts, arrived = grad_a, torch.empty(1, dtype=torch.int32, device=flat.device)
+    # each split's partial grad_A (one split writes grad_A itself), and how many splits have stored theirs, per tile
+    parts = torch.empty(splits, padded, features, dtype=torch.float32, device=flat.device) if splits > 1 else grad_a
+    arrived = arrival_counts(flat.device, features // cols)
     grad_x = torch.empty(tokens, features, dtype=grad_down.dtype, device=flat.device)
     kernels().backward_kernel[(features // cols, splits)](
         grad_down.contiguous(), flat, a.contiguous(), grad_x, parts, grad_a, arrived, seed, tokens, features, rank,
@@ -210,7 +208,7 @@ def grads(grad_down, flat, a, seed, p: float, settings: dict | None = None):
     return grad_a, grad_x
 
 
-_COUNTS: dict[str, list[torch.Tensor]] = {}
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def arrival_counts(device, tiles: int) -> torch.Tensor:
@@ -219,7 +217,7 @@ def arrival_counts(device, tiles: int) -> torch.Tensor:
     replay on a side stream the current one waits for), so they never share a count at once. A buffer, once made, is
     never freed: a CUDA graph may have captured its address. A capture that needs more than any holds makes its own
     (its fill is captured with it)."""
-    kept = _COUNTS.setdefault(str(torch.device(device)), [])
+    kept = _COUNTS.setdefault(torch.device(device), [])
     for counts in kept:
         if counts.numel() >= tiles:
             return counts
