@@ -2,7 +2,8 @@
 
 Absolute speed moves by up to 1.5x between hosts of the same GPU kind, so "is the engine still as fast as it was?"
 has one honest answer: run both engines on the same card, back to back, more than once. Each round runs the baseline
-tree's own bench/throughput.py and then this tree's, both `--only ours` (our default: auto-fit, CUDA graphs, every
+tree's own bench/throughput.py and this tree's, the baseline first in the first round and second in the next, and so
+on (a host that drifts over the call weighs on both alike), both `--only ours` (our default: auto-fit, CUDA graphs, every
 lever that commit ships) at the same workloads and steps, each in fresh processes on the same random-weight model
 and data. The run file keeps every round's figures and, per workload, the median of each engine and their ratio.
 With --with-reference the reference recipe (this tree's) runs first, once, so each engine's speed over it comes from
@@ -125,12 +126,19 @@ def run_engine(tree: Path, commit: str | None, args, out_json: Path, recipe: str
     return {"returncode": proc.returncode, "wall_s": round(time.time() - started, 1), "figures": figures}
 
 
+def round_order(index: int) -> tuple[str, str]:
+    """The engines of round `index` (from 0) in the order they run: the baseline first in even rounds, this tree's
+    first in odd ones. At 8 x 2048 one engine's tokens/s moved by 10% between two runs on one warm H200 (the host
+    keeps the GPU waiting), so a fixed order would lay any drift over the call on the engine that always runs last."""
+    return ("baseline", "now") if index % 2 == 0 else ("now", "baseline")
+
+
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--extract", metavar="COMMIT", help="write COMMIT's files to --tree, then stop")
     parser.add_argument("--tree", default=str(BASELINE_TREE), help="the baseline's files (default bench/baseline)")
     parser.add_argument("--workloads", default="w2048,w512")
-    parser.add_argument("--rounds", type=int, default=2, help="baseline then now, this many times")
+    parser.add_argument("--rounds", type=int, default=2, help="both engines this many times, their order swapped each round")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--model-dir", default="/tmp/shape-tinyllama-1.1b")
     parser.add_argument("--run-timeout-s", type=float, default=240)
@@ -179,9 +187,11 @@ def main(argv=None) -> None:
             if time.time() - started > args.deadline_s:
                 break
             rounds.append({})
-            for engine, where, commit in (("baseline", tree, baseline["commit"]), ("now", ROOT, run.header["commit"])):
+            engines = {"baseline": (tree, baseline["commit"]), "now": (ROOT, run.header["commit"])}
+            for engine in round_order(index):
                 if time.time() - started > args.deadline_s:
                     break
+                where, commit = engines[engine]
                 result = run_engine(where, commit, args, Path(work) / f"{engine}-{index}.json")
                 rounds[-1][engine] = result["figures"]
                 log.append({"round": index + 1, "engine": engine, "returncode": result["returncode"],

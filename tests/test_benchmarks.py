@@ -473,6 +473,30 @@ def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
         read_baseline(tmp_path)
 
 
+def test_against_commit_swaps_the_engines_order_each_round(tmp_path, monkeypatch, capsys):
+    """Each round runs both engines, the baseline first in the first round and second in the next (drift over a call
+    weighs on both); the reference, asked for, runs once before them; the run file keeps that order."""
+    import against_commit
+
+    tree = tmp_path / "baseline"
+    tree.mkdir()
+    (tree / "BASELINE.json").write_text(json.dumps({"commit": "abc1234", "date": "2026-12-03"}))
+    order = []
+
+    def run_engine(where, commit, args, out_json, recipe="ours"):
+        order.append("reference" if recipe == "reference" else "baseline" if where == tree.resolve() else "now")
+        return {"returncode": 0, "wall_s": 1.0, "figures": {"w512": {"tokens_per_s": 1000.0 * len(order),
+                                                                    "compute_us_per_token": 12.0}}}
+
+    monkeypatch.setattr(against_commit, "run_engine", run_engine)
+    against_commit.main(["--tree", str(tree), "--rounds", "3", "--with-reference", "--out-dir", str(tmp_path)])
+    assert order == ["reference", "baseline", "now", "now", "baseline", "baseline", "now"]
+    saved = json.loads(next(tmp_path.glob("*against-commit*.json")).read_text())["results"]
+    assert [(r["round"], r["engine"]) for r in saved["runs"]] == [
+        (0, "reference"), (1, "baseline"), (1, "now"), (2, "now"), (2, "baseline"), (3, "baseline"), (3, "now")]
+    assert saved["summary"]["w512"]["baseline"]["tokens_per_s"] == 5000.0  # the median of 2,000, 5,000 and 6,000
+
+
 def test_kernel_totals_sums_each_kernel_and_says_what_changed(tmp_path, capsys):
     """bench/kernel_totals.py on two made-up GPU-only traces: host ops are left out, each kernel's time and count are
     summed, and the comparison lists the biggest change first, with a kernel that only one side ran."""
