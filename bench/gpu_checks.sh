@@ -67,8 +67,13 @@ PY
   stopped() {  # a time limit (timeout's TERM) cut the run: the log keeps every finished shard and names the rest
     trap - TERM
     for i in "${!pending[@]}"; do
-      { echo "== -m 'not gpu', shard $i of $SHARDS: stopped unfinished; to run its files alone:"
-        echo "   bash bench/gpu_checks.sh -m 'not gpu' ${pending[$i]}"; cat "$OUT/shard-$i.log"; echo; } >> "$log"
+      if grep -qE "^([0-9]+ [a-z]+.*|no tests ran) in [0-9.]+s" "$OUT/shard-$i.log"; then  # pytest's last line: it
+        echo "== -m 'not gpu', shard $i of $SHARDS (finished as the time limit came)" >> "$log"  # ended, not reaped yet
+      else
+        { echo "== -m 'not gpu', shard $i of $SHARDS: stopped unfinished; to run its files alone:"
+          echo "   bash bench/gpu_checks.sh -m 'not gpu' ${pending[$i]}"; } >> "$log"
+      fi
+      { cat "$OUT/shard-$i.log"; echo; } >> "$log"
       rm -f "$OUT/shard-$i.log"
     done
     count; grep -E "^(==|   bash|FAILED|ERROR)" "$log" | tail -20; exit 124

@@ -17,10 +17,14 @@ TESTS = {  # bash's glob order, round robin over 3 shards: 0 gets a and d, 1 get
     "test_b.py": "def test_b():\n    pass\n\ndef test_fails():\n    assert 0\n",
     "test_c.py": "import time\n\ndef test_slow():\n    time.sleep(float(__import__('os').environ['SLOW_S']))\n",
     "test_d.py": "def test_d():\n    pass\n",
+    # LINGER_S: the shard that runs test_c.py stays alive that long after printing its last line
+    "conftest.py": "import os, sys, time\n\ndef pytest_unconfigure(config):\n    if any('test_c' in a for a in "
+                   "config.args):\n        sys.stdout.flush()\n        time.sleep(float(os.environ.get('LINGER_S', "
+                   "'0')))\n",
 }
 
 
-def start(tmp_path, slow_s: float) -> tuple[subprocess.Popen, object]:
+def start(tmp_path, slow_s: float, linger_s: float = 0) -> tuple[subprocess.Popen, object]:
     (tmp_path / "bench").mkdir()
     shutil.copy(PROJECT_ROOT / "bench" / "gpu_checks.sh", tmp_path / "bench")
     (tmp_path / "tests").mkdir()
@@ -33,6 +37,7 @@ def start(tmp_path, slow_s: float) -> tuple[subprocess.Popen, object]:
     (tmp_path / "nb_helpers" / "summary.py").write_text("def package_versions():\n    return {'python': 'here'}\n")
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "SHARDS": "3", "PY": sys.executable,
            "OUT": str(tmp_path / "out"), "COMMIT": "t", "SLOW_S": str(slow_s),
+           "LINGER_S": str(linger_s),
            "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no nbmake, xdist, ...: each pytest it starts loads at once
     proc = subprocess.Popen(["bash", "bench/gpu_checks.sh"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -64,3 +69,22 @@ def test_a_cut_run_keeps_the_finished_shards_and_names_the_rest(tmp_path):
     assert proc.returncode == 124, text
     assert "shard 2 of 3: stopped unfinished" in text and "bash bench/gpu_checks.sh -m 'not gpu' tests/test_c.py" in text
     assert "== whole suite: 5 of the 6 tests collected ran (4 passed, 0 skipped, 1 failed, 0 errors); 1 not run" in text
+
+
+def test_a_shard_that_ended_as_the_limit_came_is_not_called_unfinished(tmp_path):
+    """A shard whose pytest printed its last line but was not yet reaped when the limit came ran whole: the log says
+    so and names no command to run it again."""
+    proc, log = start(tmp_path, slow_s=0, linger_s=300)
+    deadline = time.time() + 200
+    while time.time() < deadline:  # the fast shards are in; shard 2 has printed its summary and lingers
+        shard = tmp_path / "out" / "shard-2.log"
+        if log.exists() and all(f"shard {i} of 3 (exit" in log.read_text() for i in (0, 1)) and shard.exists() \
+                and " passed in " in shard.read_text():
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.communicate(timeout=120)
+    text = log.read_text()
+    assert proc.returncode == 124, text
+    assert "shard 2 of 3 (finished as the time limit came)" in text and "stopped unfinished" not in text, text
+    assert "== whole suite: 6 of the 6 tests collected ran (5 passed, 0 skipped, 1 failed, 0 errors); 0 not run" in text
