@@ -3,9 +3,9 @@
 Absolute speed moves by up to 1.5x between hosts of the same GPU kind, so "is the engine still as fast as it was?"
 has one honest answer: run both engines on the same card, back to back, more than once. Each round runs the baseline
 tree's own bench/throughput.py and this tree's, the baseline first in the first round and second in the next, and so
-on (a host that drifts over the call weighs on both alike), both `--only ours` (our default: auto-fit, CUDA graphs, every
-lever that commit ships) at the same workloads and steps, each in fresh processes on the same random-weight model
-and data. The run file keeps every round's figures and, per workload, the median of each engine and their ratio.
+on (a host that drifts over the call weighs on both alike), both `--only ours` (our default: auto-fit, CUDA graphs,
+every lever that commit ships) at the same workloads and steps, each in fresh processes on the same random-weight
+model and data. The run file keeps every round's figures and, per workload, the median of each engine and their ratio.
 With --with-reference the reference recipe (this tree's) runs first, once, so each engine's speed over it comes from
 the same card and host: the reference follows the host's CPU far more than either engine does.
 
@@ -138,7 +138,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--extract", metavar="COMMIT", help="write COMMIT's files to --tree, then stop")
     parser.add_argument("--tree", default=str(BASELINE_TREE), help="the baseline's files (default bench/baseline)")
     parser.add_argument("--workloads", default="w2048,w512")
-    parser.add_argument("--rounds", type=int, default=2, help="both engines this many times, their order swapped each round")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="both engines this many times, their order swapped each round")
     # 40: at 8 x 2048 both engines ran spells of steps 10-40% slower than their own median on an H100 (2026-12-07);
     # a median over 13 timed steps can land inside one
     parser.add_argument("--steps", type=int, default=40)

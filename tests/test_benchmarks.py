@@ -473,7 +473,7 @@ def test_against_commit_extracts_a_baseline_that_names_itself(tmp_path):
         read_baseline(tmp_path)
 
 
-def test_against_commit_swaps_the_engines_order_each_round(tmp_path, monkeypatch, capsys):
+def test_against_commit_swaps_the_engines_order_each_round(tmp_path, monkeypatch):
     """Each round runs both engines, the baseline first in the first round and second in the next (drift over a call
     weighs on both); the reference, asked for, runs once before them; the run file keeps that order."""
     import against_commit
