@@ -180,6 +180,7 @@ def main(argv=None) -> None:
     baseline = read_baseline(tree)
     run = RunFile("against-commit", out_dir=args.out_dir)
     started, rounds, log, reference = time.time(), [], [], None
+    engines = {"baseline": (tree, baseline["commit"]), "now": (ROOT, run.header["commit"])}  # where each runs from
     with tempfile.TemporaryDirectory() as work:
         if args.with_reference:  # once: the reference's speed is the host's, not an engine's
             result = run_engine(ROOT, run.header["commit"], args, Path(work) / "reference.json", "reference")
@@ -190,7 +191,6 @@ def main(argv=None) -> None:
             if time.time() - started > args.deadline_s:
                 break
             rounds.append({})
-            engines = {"baseline": (tree, baseline["commit"]), "now": (ROOT, run.header["commit"])}
             for engine in round_order(index):
                 if time.time() - started > args.deadline_s:
                     break
