@@ -225,13 +225,26 @@ class HostPhases:
     the batch (the move to the device and the next batch's collation), up to the embedding, the forward, the backward
     until the first adapter's gradient, on to the optimizer, the optimizer, the step's end and the log line. Medians
     over the timed steps, in ms, and every step's ("per_step"). With the GPU's timeline of a step (--gpu-trace) it says
-    what the GPU waits for."""
+    what the GPU waits for.
 
-    def __init__(self):
+    With `gpu` (a CUDA GPU), each point also records a CUDA event on the current stream, and the report adds
+    "gpu_lag_ms": how far the GPU runs behind the host at each point, counted from the step's beginning (the
+    previous step ended in a synchronize, so both start together). Near 0 at a point: the GPU had caught up and was
+    waiting for the host to queue more (that stretch is host-bound); large: the host was ahead (GPU-bound)."""
+
+    def __init__(self, gpu: bool = False):
+        self.gpu = gpu
         self.marks: list[tuple[str, float]] = []
+        self.events: list = []  # with gpu: one CUDA event per mark
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
+        if self.gpu:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
 
     def install(self, trainer, model) -> None:
         import accelerate.data_loader as loaders
@@ -274,7 +287,33 @@ class HostPhases:
             if step >= skip_steps:
                 intervals.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e3)
         medians = {k: round(statistics.median(v), 2) for k, v in intervals.items()}
-        return {**medians, "per_step": {k: [round(x, 1) for x in v] for k, v in intervals.items()}}
+        report = {**medians, "per_step": {k: [round(x, 1) for x in v] for k, v in intervals.items()}}
+        if self.gpu and self.events:
+            import torch
+
+            torch.cuda.synchronize()
+            gpu_ms = [self.events[0].elapsed_time(event) for event in self.events]
+            report["gpu_lag_ms"] = gpu_lags([(name, host_s * 1e3, gpu) for (name, host_s), gpu
+                                             in zip(self.marks, gpu_ms)], skip_steps)
+        return report
+
+
+def gpu_lags(marks: list[tuple[str, float, float]], skip_steps: int) -> dict:
+    """(point, host ms, GPU ms) in order, each clock from its own origin -> for each point, the median over the steps
+    after `skip_steps` of how far the GPU ran behind the host there: its GPU time since the step's "step_begin" less
+    its host time since then ("per_step": every step's). A step runs from its "step_begin" to the next; points before
+    the first are left out."""
+    import statistics
+
+    lags: dict[str, list[float]] = {}
+    step, anchor = -1, None  # a step runs from its "step_begin" to the next one
+    for name, host_ms, gpu_ms in marks:
+        if name == "step_begin":
+            step, anchor = step + 1, (host_ms, gpu_ms)
+        elif anchor is not None and step >= skip_steps:
+            lags.setdefault(name, []).append((gpu_ms - anchor[1]) - (host_ms - anchor[0]))
+    return {**{k: round(statistics.median(v), 2) for k, v in lags.items()},
+            "per_step": {k: [round(x, 1) for x in v] for k, v in lags.items()}}
 
 
 def save_trace(prof, folder: Path, spec: dict) -> dict:
@@ -406,6 +445,8 @@ def reference_worker(spec: dict) -> dict:
 
 def ours_worker(spec: dict) -> dict:
     """Our default path: `nb_helpers.training.train`, exactly as `python -m nb_helpers train` runs it."""
+    import torch
+
     from nb_helpers.config import RunConfig
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
@@ -422,7 +463,7 @@ def ours_worker(spec: dict) -> dict:
                     lora_dropout=spec.get("dropout", 0.05), runs_dir=str(work), run_name="run")
     recorder = Recorder(spec)
     host = HostProfile(spec.get("cprofile", False))
-    phases = HostPhases() if spec.get("phases") else None
+    phases = HostPhases(gpu=torch.cuda.is_available()) if spec.get("phases") else None
     if phases is not None:
         from nb_helpers import training as steps
 

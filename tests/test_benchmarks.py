@@ -276,6 +276,31 @@ def test_busy_time_is_the_union_of_intervals_and_compute_leaves_the_copies_out()
     assert union_ns([]) == 0
 
 
+def test_the_gpus_lag_behind_the_host_is_counted_from_each_steps_beginning():
+    """bench/throughput.py's host phases on made-up clocks: a forward the host queues slower than the GPU runs (the
+    GPU keeps up: no lag), a backward the GPU runs slower (the host gets ahead), and a synchronize at the step's end.
+    Each clock has its own origin; warm-up steps and points before the first step are left out."""
+    from throughput import gpu_lags
+
+    def step(host0, gpu0, gpu_backward_ms):
+        return [("step_begin", host0, gpu0),
+                ("forward_done", host0 + 80, gpu0 + 80.5),  # host-bound: the GPU half a millisecond behind
+                ("backward_done", host0 + 180, gpu0 + 80.5 + gpu_backward_ms),
+                ("step_end", host0 + 80.5 + gpu_backward_ms, gpu0 + 80.5 + gpu_backward_ms)]  # the synchronize
+
+    marks = [("fetched", -5.0, 1000.0)]  # before any step: no anchor
+    host, gpu = 0.0, 1000.0
+    for backward in (500, 150, 140, 160):  # the first is the warm-up
+        marks += step(host, gpu, backward)
+        host, gpu = host + 300, gpu + 300
+    report = gpu_lags(marks, skip_steps=1)
+    assert set(report) == {"forward_done", "backward_done", "step_end", "per_step"}
+    assert report["forward_done"] == pytest.approx(0.5)
+    assert report["per_step"]["backward_done"] == [pytest.approx(x) for x in (50.5, 40.5, 60.5)]
+    assert report["backward_done"] == pytest.approx(50.5)  # the median
+    assert report["step_end"] == pytest.approx(0.0)
+
+
 def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(tmp_path):
     """bench/dpo.py's run files: each point's planner error counted against ±10%, the newest measurement of a point
     kept, and a speed ratio only between runs of the same file."""
