@@ -233,16 +233,16 @@ class HostPhases:
     waiting for the host to queue more (that stretch is host-bound); large: the host was ahead (GPU-bound)."""
 
     def __init__(self, gpu: bool = False):
-        self.gpu = gpu
+        import torch
+
         self.marks: list[tuple[str, float]] = []
         self.events: list = []  # with gpu: one CUDA event per mark
+        self._event = torch.cuda.Event if gpu else None
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter()))
-        if self.gpu:
-            import torch
-
-            event = torch.cuda.Event(enable_timing=True)
+        if self._event is not None:
+            event = self._event(enable_timing=True)
             event.record()
             self.events.append(event)
 
@@ -288,7 +288,7 @@ class HostPhases:
                 intervals.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e3)
         medians = {k: round(statistics.median(v), 2) for k, v in intervals.items()}
         report = {**medians, "per_step": {k: [round(x, 1) for x in v] for k, v in intervals.items()}}
-        if self.gpu and self.events:
+        if self.events:  # recorded on a GPU
             import torch
 
             torch.cuda.synchronize()
@@ -303,8 +303,6 @@ def gpu_lags(marks: list[tuple[str, float, float]], skip_steps: int) -> dict:
     after `skip_steps` of how far the GPU ran behind the host there: its GPU time since the step's "step_begin" less
     its host time since then ("per_step": every step's). A step runs from its "step_begin" to the next; points before
     the first are left out."""
-    import statistics
-
     lags: dict[str, list[float]] = {}
     step, anchor = -1, None  # a step runs from its "step_begin" to the next one
     for name, host_ms, gpu_ms in marks:
