@@ -12,7 +12,8 @@ For each workload: the reference (1 x 8, GC, paged_adamw_8bit, r=8 on q,k,v,o, n
 our path at the reference's own settings set by hand (1 x 8, GC: the lean path, the memory comparison; and the same
 with cuda_graphs=True: what graphs cost and give there) and our default (auto-fit picks the micro-batch and CUDA
 graphs for the budget, keeping the effective batch). --levers adds each lever taken out alone, the settings auto-fit
-passes over and host profiles; --gains LEVER,... is the pruning measurement (our default, each lever out, ours again).
+passes over, a candidate measured before it is built (forward_graphs_only) and host profiles; --gains LEVER,... is
+the pruning measurement (our default, each lever out, ours again).
 Reported: median step seconds over the steps after warm-up, non-padding tokens/s, the ratio to the reference,
 peak NVML device-used GiB (context included, sampled every step), peak PyTorch reserved GiB, the first losses, and
 for the reference and our default on every workload the GPU-busy microseconds per token of one profiled step
@@ -113,6 +114,11 @@ def lever_runs(workloads: list[str], steps: int) -> list[dict]:
         run("w2048", "graphs-2x4", 2, 4, cuda_graphs=True),
         run("w2048", "graphs-offload-4x2", 4, 2, cuda_graphs=True, offload=True, profile=True, steps=steps + 1),
         run("w2048", "offload-4x2", 4, 2, fast="offload=1"),
+        # a candidate, measured before it is built: only the no-grad forward replayed as CUDA graphs, the recompute
+        # and backward eager, at auto-fit's 8 x 1 with checkpoints in CPU RAM (forward_graphs_only); the host's
+        # phases and the GPU's lag say whether it took the host out of the forward
+        run("w2048", "forward-graphs-offload-8x1", 8, 1, cuda_graphs=True, offload=True, forward_graphs_only=True,
+            profile=True, phases=True, steps=steps + 1),
         # no checkpointing, where the shipped rows fit without it
         run("shipped", "all-8x1-no-gc", 8, 1, gc=False),
         # what LoRA's dropout costs, and peft's prepare_model_for_kbit_training with stock layers (the lean=0 path)
@@ -449,6 +455,7 @@ def ours_worker(spec: dict) -> dict:
     from nb_helpers.metrics import read_metrics
     from nb_helpers.training import train
 
+    skipped = forward_graphs_only() if spec.get("forward_graphs_only") else None
     work = Path(tempfile.mkdtemp())
     cfg = RunConfig(model=spec["model"], train_file=spec["data"], eval_file=None, task_eval_samples=0,
                     max_length=spec["seq"], micro_batch_size=spec["batch"], grad_accum=spec["accum"],
@@ -490,7 +497,24 @@ def ours_worker(spec: dict) -> dict:
             "settings": {"micro_batch": chosen["micro_batch_size"], "accum": chosen["grad_accum"],
                          "gc": chosen["gradient_checkpointing"],
                          "no_recompute_layers": chosen.get("no_recompute_layers", 0)},
-            "fast_levers": summary.get("fast_levers")}
+            "fast_levers": summary.get("fast_levers"),
+            "backward_captures_skipped": skipped[0] if skipped else None}
+
+
+def forward_graphs_only() -> list[int]:
+    """Checkpointed layers replayed from CUDA graphs of their no-grad forward alone: the backward's capture is
+    skipped, so fast.graphed_layers runs the recompute and the backward eagerly, reading what the forward graph left
+    (its down_once products). Not a lever of the package: what one would give, measured first. Returns the count of
+    captures skipped (0 after a run: the backward never met a forward graph, and the run measured nothing new)."""
+    from nb_helpers.fast import graphed_layers
+
+    skipped = [0]
+
+    def skip_capture(*args) -> None:
+        skipped[0] += 1
+
+    graphed_layers._capture_backward = skip_capture
+    return skipped
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
@@ -525,7 +549,8 @@ def summarize(spec: dict, result: dict) -> dict:
             "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
             "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
             "host_profile": result.get("host_profile"), "host_phases_ms": result.get("host_phases_ms"),
-            "fast_levers": result.get("fast_levers")}
+            "fast_levers": result.get("fast_levers"),
+            **{key: result[key] for key in ("backward_captures_skipped",) if result.get(key) is not None}}
 
 
 def cpu_throttling() -> dict:

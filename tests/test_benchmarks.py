@@ -301,6 +301,26 @@ def test_the_gpus_lag_behind_the_host_is_counted_from_each_steps_beginning():
     assert report["step_end"] == pytest.approx(0.0)
 
 
+def test_the_forward_graphs_candidate_skips_exactly_the_backwards_capture(monkeypatch):
+    """bench/throughput.py's forward-graphs run replaces the one name fast.graphed_layers' backward calls to capture a
+    layer's backward graph, so that the layer falls back to its eager recompute and backward. Were that name renamed
+    or inlined, the run would graph both halves and measure nothing new: the check names it, and the run reports how
+    many captures it skipped."""
+    import throughput
+
+    from nb_helpers.fast import graphed_layers
+
+    monkeypatch.setattr(graphed_layers, "_capture_backward", graphed_layers._capture_backward)  # put back afterwards
+    assert "_capture_backward" in graphed_layers._GraphedCheckpoint.backward.__code__.co_names
+    skipped = throughput.forward_graphs_only()
+    assert graphed_layers._capture_backward(None, None, None, None, None) is None
+    graphed_layers._capture_backward(None, None, None, None, None)
+    assert skipped == [2]
+    candidate = [r for r in throughput.lever_runs(["w512", "w2048"], steps=13) if r.get("forward_graphs_only")]
+    assert [(r["workload"], r["batch"], r["accum"], r["cuda_graphs"], r["offload"], r["phases"]) for r in candidate] \
+        == [("w2048", 8, 1, True, True, True)]  # auto-fit's choice there, with the host's phases beside it
+
+
 def test_dpo_points_are_checked_against_the_planner_and_compared_within_one_run(tmp_path):
     """bench/dpo.py's run files: each point's planner error counted against ±10%, the newest measurement of a point
     kept, and a speed ratio only between runs of the same file."""
