@@ -498,7 +498,7 @@ def ours_worker(spec: dict) -> dict:
                          "gc": chosen["gradient_checkpointing"],
                          "no_recompute_layers": chosen.get("no_recompute_layers", 0)},
             "fast_levers": summary.get("fast_levers"),
-            "backward_captures_skipped": skipped[0] if skipped else None}
+            "backward_captures_skipped": skipped[0] if skipped is not None else None}
 
 
 def forward_graphs_only() -> list[int]:
