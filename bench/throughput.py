@@ -284,16 +284,13 @@ class HostPhases:
         first.register_post_accumulate_grad_hook(lambda p: self.mark("backward_done"))
 
     def report(self, skip_steps: int) -> dict:
-        import statistics
-
         intervals: dict[str, list[float]] = {}
         step = 0
         for (a, ta), (b, tb) in zip(self.marks, self.marks[1:]):
             step += a == "step_end"
             if step >= skip_steps:
                 intervals.setdefault(f"{a} -> {b}", []).append((tb - ta) * 1e3)
-        medians = {k: round(statistics.median(v), 2) for k, v in intervals.items()}
-        report = {**medians, "per_step": {k: [round(x, 1) for x in v] for k, v in intervals.items()}}
+        report = medians_and_steps(intervals)
         if self.events:  # recorded on a GPU
             import torch
 
@@ -316,8 +313,13 @@ def gpu_lags(marks: list[tuple[str, float, float]], skip_steps: int) -> dict:
             step, anchor = step + 1, (host_ms, gpu_ms)
         elif anchor is not None and step >= skip_steps:
             lags.setdefault(name, []).append((gpu_ms - anchor[1]) - (host_ms - anchor[0]))
-    return {**{k: round(statistics.median(v), 2) for k, v in lags.items()},
-            "per_step": {k: [round(x, 1) for x in v] for k, v in lags.items()}}
+    return medians_and_steps(lags)
+
+
+def medians_and_steps(series: dict[str, list[float]]) -> dict:
+    """Each series' median (ms, 2 decimals) and, under "per_step", every step's value (1 decimal)."""
+    return {**{k: round(statistics.median(v), 2) for k, v in series.items()},
+            "per_step": {k: [round(x, 1) for x in v] for k, v in series.items()}}
 
 
 def save_trace(prof, folder: Path, spec: dict) -> dict:
@@ -540,17 +542,19 @@ def summarize(spec: dict, result: dict) -> dict:
     device = [r["device_used_gib"] for r in records if r.get("device_used_gib") is not None]
     reserved = [r["torch_peak_gib"] for r in records if r.get("torch_peak_gib") is not None]
     allocated = [r["torch_peak_allocated_gib"] for r in records if r.get("torch_peak_allocated_gib") is not None]
-    return {"tokens_per_s": tokens / step_s if step_s and tokens else None, "median_step_s": step_s,
-            "timed_steps": len(timed), "tokens_per_step": tokens,
-            "peak_device_gib": max(device) if device else None, "peak_reserved_gib": max(reserved) if reserved else None,
-            "peak_allocated_gib": max(allocated) if allocated else None, "losses": [round(r["loss"], 4) for r in records], **result.get("settings", {}),
-            "busy": result.get("busy"), "context_gib": result.get("context_gib"),
-            "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
-            "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
-            "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
-            "host_profile": result.get("host_profile"), "host_phases_ms": result.get("host_phases_ms"),
-            "fast_levers": result.get("fast_levers"),
-            **{key: result[key] for key in ("backward_captures_skipped",) if result.get(key) is not None}}
+    row = {"tokens_per_s": tokens / step_s if step_s and tokens else None, "median_step_s": step_s,
+           "timed_steps": len(timed), "tokens_per_step": tokens,
+           "peak_device_gib": max(device) if device else None, "peak_reserved_gib": max(reserved) if reserved else None,
+           "peak_allocated_gib": max(allocated) if allocated else None, "losses": [round(r["loss"], 4) for r in records], **result.get("settings", {}),
+           "busy": result.get("busy"), "context_gib": result.get("context_gib"),
+           "predicted_peak_gib": result.get("predicted_peak_gib"), "fast": spec.get("fast"),
+           "dropout": spec.get("dropout", 0.05), "warmup_step_s": [round(r["step_s"], 2) for r in records[:WARMUP]],
+           "step_s_all": [round(r["step_s"], 3) for r in records], "gc_ms_per_step": result.get("gc_ms_per_step"),
+           "host_profile": result.get("host_profile"), "host_phases_ms": result.get("host_phases_ms"),
+           "fast_levers": result.get("fast_levers")}
+    if result.get("backward_captures_skipped") is not None:  # the forward-graphs candidate's run alone
+        row["backward_captures_skipped"] = result["backward_captures_skipped"]
+    return row
 
 
 def cpu_throttling() -> dict:
